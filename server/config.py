@@ -1,0 +1,155 @@
+"""One typed configuration object, loaded once: TOML file, then environment, then flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
+ENV_PREFIX = "PARROT_"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    source: str = "embedded"
+    device: str = "auto"
+    dtype: str = "auto"
+    backend: str = "auto"
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _check_choice("model.backend", self.backend, ("auto", "native", "hf"))
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.threads < 0:
+            raise ValueError("model.threads must be >= 0")
+
+
+@dataclass(frozen=True)
+class DraftingConfig:
+    enabled: bool = True
+    method: str = "suffix"
+    min_n: int = 1
+    max_n: int = 8
+    max_draft: int = 16
+    threshold: float = 0.1
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        _check_choice("drafting.method", self.method, ("suffix", "ngram"))
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError("drafting needs 1 <= min_n <= max_n")
+        if not 0 <= self.max_draft <= 64:
+            raise ValueError("drafting.max_draft must be in [0, 64]")
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError("drafting.threshold must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue: int = 64
+    max_running: int = 8
+    request_timeout_s: float = 300.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("server.port must be in [0, 65535]")
+        for name in ("max_queue", "max_running", "max_body_bytes", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"server.{name} must be >= 1")
+        if self.request_timeout_s <= 0:
+            raise ValueError("server.request_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    drafting: DraftingConfig = field(default_factory=DraftingConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def replace(self, **sections: Mapping[str, Any]) -> "Config":
+        """A copy with some fields of some sections replaced: ``cfg.replace(model={"source": p})``."""
+        changed = {name: dataclasses.replace(getattr(self, name), **values) for name, values in sections.items()}
+        return dataclasses.replace(self, **changed)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _coerce(section: str, key: str, kind: type, raw: Any) -> Any:
+    """Turn a TOML or environment value into the field's type, or say clearly why not."""
+    where = f"{section}.{key}"
+    if isinstance(raw, str) and kind is not str:
+        text = raw.strip()
+        if kind is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"{where}: expected true/false, got {raw!r}")
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"{where}: expected {kind.__name__}, got {raw!r}") from None
+    if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+        return float(raw)
+    if not isinstance(raw, kind) or (kind is int and isinstance(raw, bool)):
+        raise ValueError(f"{where}: expected {kind.__name__}, got {type(raw).__name__}")
+    return raw
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Config:
+    """Defaults < TOML file < ``PARROT_<SECTION>_<KEY>`` environment < explicit overrides."""
+    env = os.environ if env is None else env
+    path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+    try:
+        data = tomllib.loads(path.read_text()) if path.exists() else {}
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if not path.exists() and path != DEFAULT_CONFIG_PATH:
+        raise FileNotFoundError(f"config file not found: {path}")
+    sections: dict[str, Any] = {}
+    for section_field in fields(Config):
+        name = section_field.name
+        section_type = section_field.default_factory  # type: ignore[misc]
+        known = {f.name: f for f in fields(section_type)}
+        values: dict[str, Any] = {}
+        table = data.pop(name, {})
+        unknown = set(table) - set(known)
+        if unknown:
+            raise ValueError(f"{path}: unknown keys in [{name}]: {', '.join(sorted(unknown))}")
+        for key, raw in table.items():
+            values[key] = _coerce(name, key, _field_type(known[key]), raw)
+        for key, f in known.items():
+            env_name = f"{ENV_PREFIX}{name}_{key}".upper()
+            if env_name in env:
+                values[key] = _coerce(name, key, _field_type(f), env[env_name])
+        for key, raw in (overrides or {}).get(name, {}).items():
+            if raw is None:
+                continue
+            if key not in known:
+                raise ValueError(f"unknown setting {name}.{key}")
+            values[key] = _coerce(name, key, _field_type(known[key]), raw)
+        sections[name] = section_type(**values)
+    if data:
+        raise ValueError(f"{path}: unknown sections: {', '.join(sorted(data))}")
+    return Config(**sections)
+
+
+def _field_type(f: dataclasses.Field[Any]) -> type:
+    return {"str": str, "int": int, "float": float, "bool": bool}[str(f.type)]

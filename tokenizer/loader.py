@@ -1,0 +1,91 @@
+"""Load the served model's tokenizer exactly as the model was trained with it.
+
+transformers converts a GGUF vocabulary into a GPT-2 style byte-level BPE tokenizer, but it drops
+the pre-tokenizer rule named by ``tokenizer.ggml.pre``. For ``smollm`` (SmolLM/SmolLM2) the
+trained tokenizer splits digits one by one *before* the byte-level regex; without that rule
+``'a  1'`` encodes as ``a, Ġ, Ġ, 1`` instead of ``a, ĠĠ, 1``. We restore the rule at load time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from tokenizers import pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+TokenId = int
+
+# GGUF `tokenizer.ggml.pre` values whose pre-tokenizer transformers does not reproduce, mapped to
+# the pre-tokenizer the model was trained with.
+_PRE_TOKENIZER_FIXES = {
+    "smollm": lambda: pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    ),
+}
+
+
+def gguf_pre_tokenizer_name(gguf_path: str) -> str | None:
+    """The ``tokenizer.ggml.pre`` value of a GGUF file (None when absent)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf_path).fields.get("tokenizer.ggml.pre")
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+@dataclass
+class Tokenizer:
+    """The served model's tokenizer: exact encode/decode and the chat template, in one place."""
+
+    hf: PreTrainedTokenizerBase
+    eos_token_ids: frozenset[TokenId]
+    name: str
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[TokenId]:
+        """Token ids of ``text`` with no special tokens added (BOS/EOS are the template's job)."""
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[TokenId], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text the model's chat template makes of ``messages``."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model has no chat template; use a plain prompt instead")
+        text = self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        assert isinstance(text, str)
+        return text
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[TokenId]:
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+
+def load_tokenizer(model_dir_or_id: str, gguf_file: str | None = None) -> Tokenizer:
+    """Load the tokenizer of a local model directory, a GGUF file in it, or a hub id."""
+    hf = AutoTokenizer.from_pretrained(model_dir_or_id, gguf_file=gguf_file)
+    if gguf_file is not None:
+        pre = gguf_pre_tokenizer_name(os.path.join(model_dir_or_id, gguf_file))
+        fix = _PRE_TOKENIZER_FIXES.get(pre or "")
+        if fix is not None:
+            backend = hf.backend_tokenizer
+            current = json.loads(backend.to_str())["pre_tokenizer"]
+            if current is None or current.get("type") == "ByteLevel":
+                backend.pre_tokenizer = fix()
+    eos: set[int] = set()
+    if hf.eos_token_id is not None:
+        eos.add(int(hf.eos_token_id))
+    name = os.path.basename(gguf_file or model_dir_or_id.rstrip("/"))
+    return Tokenizer(hf=hf, eos_token_ids=frozenset(eos), name=name)
