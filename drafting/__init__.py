@@ -1,0 +1,15 @@
+"""Drafting: per-request n-gram drafters and the draft-length policy. Pure Python, no torch."""
+
+from drafting.ngram import NGramDrafter, NGramModel
+from drafting.policy import AcceptanceStats, DraftLengthPolicy, expected_yield, match_bucket
+from drafting.suffix import SuffixDrafter
+
+__all__ = [
+    "AcceptanceStats",
+    "DraftLengthPolicy",
+    "NGramDrafter",
+    "NGramModel",
+    "SuffixDrafter",
+    "expected_yield",
+    "match_bucket",
+]

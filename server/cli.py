@@ -1,10 +1,187 @@
-"""The `parrot` command line."""
+"""The ``parrot`` command: ``parrot serve`` (HTTP server) and ``parrot generate`` (offline batch)."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+import logging
 import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from server.config import Config, load_config
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=None, help="TOML config file (default: configs/default.toml)")
+    parser.add_argument("--model", default=None, help="'embedded', a model directory, a .gguf file, or a hub id")
+    parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parrot", description="Parrot: exact n-gram speculative decoding server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_common(serve)
+    serve.add_argument("--host", default=None, help="listen address (default from config: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="listen port (default from config: 8000)")
+
+    gen = sub.add_parser("generate", help="generate for every line of a JSONL file (the model loads once)")
+    _add_common(gen)
+    gen.add_argument("--input", required=True, type=Path, help='JSONL: {"id", "prompt"} or {"id", "messages"}')
+    gen.add_argument("--output", required=True, type=Path, help="JSONL results, one line per input line")
+    gen.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling (line i uses seed + i)")
+    gen.add_argument("--no-draft", action="store_true", help="plain decoding, no speculation")
+    return parser
+
+
+def _config_from_args(args: argparse.Namespace) -> Config:
+    overrides: dict[str, dict[str, Any]] = {
+        "model": {"source": args.model, "device": args.device, "dtype": args.dtype},
+    }
+    if getattr(args, "host", None) is not None or getattr(args, "port", None) is not None:
+        overrides["server"] = {"host": getattr(args, "host", None), "port": getattr(args, "port", None)}
+    if getattr(args, "no_draft", False):
+        overrides["drafting"] = {"enabled": False}
+    return load_config(args.config, overrides=overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("parrot: not implemented yet", file=sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        config = _config_from_args(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"parrot: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        from server.app import serve
+
+        return serve(config)
+    return generate_file(config, args)
+
+
+def _parse_line(line: str, number: int) -> tuple[Any, list[dict[str, Any]]]:
+    """(id, chat messages) of one input line, or ValueError saying what is wrong with it."""
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"line {number}: not JSON ({exc.msg})") from None
+    if not isinstance(item, dict):
+        raise ValueError(f"line {number}: expected a JSON object")
+    item_id = item.get("id", number)
+    if "prompt" in item and "messages" in item:
+        raise ValueError(f"line {number}: give either 'prompt' or 'messages', not both")
+    if "prompt" in item:
+        if not isinstance(item["prompt"], str):
+            raise ValueError(f"line {number}: 'prompt' must be a string")
+        return item_id, [{"role": "user", "content": item["prompt"]}]
+    messages = item.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise ValueError(f"line {number}: needs 'prompt' (string) or 'messages' (list of {{role, content}})")
+    return item_id, messages
+
+
+def generate_file(config: Config, args: argparse.Namespace) -> int:
+    from server.engine.build import build_engine
+    from server.engine.engine import GenerationRequest, SpeculationParams
+    from server.engine.loader import ModelNotFoundError
+    from server.engine.sampling import SamplingParams
+
+    try:
+        lines = args.input.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"parrot: cannot read {args.input}: {exc}", file=sys.stderr)
+        return 2
+    items = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    try:
+        base_params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+        )
+    except ValueError as exc:
+        print(f"parrot: {exc}", file=sys.stderr)
+        return 2
+    try:
+        loaded, engine = build_engine(config)
+    except ModelNotFoundError as exc:
+        print(f"parrot: {exc}", file=sys.stderr)
+        return 2
+    device, dtype = str(loaded.device), str(loaded.dtype).removeprefix("torch.")
+    failures = 0
+    totals = {"tokens": 0, "seconds": 0.0, "passes": 0}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.output, "w", encoding="utf-8") as out:
+        for index, (number, line) in enumerate(items):
+            try:
+                item_id, messages = _parse_line(line, number)
+                prompt_ids = loaded.tokenizer.encode_chat(messages)
+                params = dataclasses.replace(base_params, seed=None if args.seed is None else args.seed + index)
+                request = GenerationRequest(prompt_ids, params, SpeculationParams(enabled=not args.no_draft))
+                result = engine.generate(request)
+            except ValueError as exc:
+                failures += 1
+                _write(out, {"id": _safe_id(line, number), "error": str(exc)})
+                print(f"[{index + 1}/{len(items)}] line {number}: error: {exc}", file=sys.stderr)
+                continue
+            s = result.stats
+            _write(
+                out,
+                {
+                    "id": item_id,
+                    "text": result.text,
+                    "finish_reason": result.finish_reason,
+                    "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.output_tokens},
+                    "stats": {
+                        "forward_passes": s.forward_passes,
+                        "drafted_tokens": s.drafted_tokens,
+                        "accepted_tokens": s.accepted_tokens,
+                        "ttft_s": round(s.ttft_s or 0.0, 4),
+                        "elapsed_s": round(s.elapsed_s, 4),
+                        "device": device,
+                        "dtype": dtype,
+                    },
+                },
+            )
+            totals["tokens"] += s.output_tokens
+            totals["seconds"] += s.elapsed_s
+            totals["passes"] += s.forward_passes
+            print(
+                f"[{index + 1}/{len(items)}] {item_id}: {s.output_tokens} tokens in {s.elapsed_s:.2f} s "
+                f"({s.output_tokens / max(s.elapsed_s, 1e-9):.1f} tok/s, "
+                f"{s.output_tokens / max(s.forward_passes, 1):.2f} tokens/pass), {result.finish_reason}",
+                file=sys.stderr,
+            )
+    print(
+        f"done: {len(items) - failures} generated, {failures} failed; {totals['tokens']} tokens in "
+        f"{totals['seconds']:.1f} s ({totals['tokens'] / max(totals['seconds'], 1e-9):.1f} tok/s, "
+        f"{totals['tokens'] / max(totals['passes'], 1):.2f} tokens/pass) -> {args.output}",
+        file=sys.stderr,
+    )
+    return 1 if failures else 0
+
+
+def _safe_id(line: str, number: int) -> Any:
+    try:
+        item = json.loads(line)
+        return item.get("id", number) if isinstance(item, dict) else number
+    except json.JSONDecodeError:
+        return number
+
+
+def _write(out: TextIO, record: dict[str, Any]) -> None:
+    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    out.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Measure what a forward pass over 1..K tokens costs on this hardware, at start-up."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def measure_cost_curve(forward: Any, max_tokens: int, context: int = 512, repeats: int = 3) -> list[float]:
+    """``cost[t]`` = median seconds of one pass feeding t tokens after ``context`` cached ones.
+
+    ``cost[0]`` is 0. Points are measured at 1, 2, 3, 4, 6, 8, 12, 16, ... and interpolated in
+    between; the curve is made non-decreasing (a longer pass never costs less; noise aside).
+    """
+    context = max(1, min(context, forward.max_positions - max_tokens - 1))
+    vocab = forward.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
+    cache = forward.new_cache(context + max_tokens)
+    forward.forward([(cache, prompt, 1)])
+    points = sorted({t for t in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if t <= max_tokens} | {max_tokens})
+    measured: dict[int, float] = {}
+    for _ in range(2):  # warm-up: first calls allocate
+        forward.forward([(cache, prompt[:1], 1)])
+        cache.crop(context)
+    for t in points:
+        tokens = prompt[:t] if t <= len(prompt) else (prompt * (t // len(prompt) + 1))[:t]
+        times = []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            forward.forward([(cache, tokens, t)])
+            times.append(time.perf_counter() - begin)
+            cache.crop(context)
+        measured[t] = sorted(times)[len(times) // 2]
+    cost = [0.0] * (max_tokens + 1)
+    for left, right in zip(points, points[1:]):
+        for t in range(left, right + 1):
+            w = (t - left) / (right - left)
+            cost[t] = measured[left] * (1 - w) + measured[right] * w
+    cost[points[0]] = measured[points[0]]
+    for t in range(2, max_tokens + 1):
+        cost[t] = max(cost[t], cost[t - 1])
+    return cost

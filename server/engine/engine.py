@@ -1,0 +1,320 @@
+"""The speculative decoding engine: one step = draft -> one forward pass -> accept -> commit.
+
+``Engine.step(sequences)`` advances every running sequence by one forward pass:
+
+1. plan: a sequence still prefilling feeds its next prompt chunk; otherwise it feeds the token
+   not yet in its KV cache (``pending``) followed by a draft from its n-gram drafter, cut to the
+   length the cost model says pays off;
+2. one forward pass over all sequences' tokens (the KV caches grow by what was fed);
+3. accept: the verification rule keeps a prefix of the draft plus one token of the model's own
+   (recovered or bonus), see ``sampling.py``;
+4. commit: crop each KV cache back to what was accepted, feed the accepted tokens to the drafter
+   and the acceptance statistics, apply stops (EOS, stop strings, max_tokens), emit text.
+
+A request's output does not depend on drafting: greedy output is the argmax chain either way,
+and sampling draws position t's token with randomness keyed by (seed, t).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from drafting import AcceptanceStats, DraftLengthPolicy, NGramDrafter, SuffixDrafter, match_bucket
+from server.config import DraftingConfig
+from server.engine.sampling import Sampler, SamplingParams
+from server.engine.textout import TextAssembler
+from tokenizer import Tokenizer
+
+TokenId = int
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class SpeculationParams:
+    """Per-request control of drafting (the ``speculation`` extension field of the API)."""
+
+    enabled: bool = True
+    max_draft: int | None = None  # None: the server's drafting.max_draft
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[TokenId]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    speculation: SpeculationParams = field(default_factory=SpeculationParams)
+    # Extra drafting context, indexed by the drafter but never fed to the model (source
+    # documents, OpenAI Predicted Outputs), as token ids.
+    draft_context: list[list[TokenId]] = field(default_factory=list)
+
+
+@dataclass
+class TokenLogprob:
+    token: TokenId
+    logprob: float
+    top: list[tuple[TokenId, float]]
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one sequence: new tokens and the text now safe to send."""
+
+    token_ids: list[TokenId]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+
+
+@dataclass
+class SequenceStats:
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    forward_passes: int = 0  # passes that produced output tokens (each yields at least one)
+    prefill_chunks: int = 0  # earlier passes over a long prompt that produced nothing yet
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    started_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started_at
+
+    @property
+    def elapsed_s(self) -> float:
+        end = self.finished_at if self.finished_at is not None else time.perf_counter()
+        return end - self.started_at
+
+
+@dataclass
+class _Plan:
+    tokens: list[TokenId]  # fed to the model this step
+    num_logits: int  # logits needed (0 while prefilling)
+    draft: list[TokenId]
+    bucket: int
+
+
+class Generation:
+    """One request in flight: KV cache, drafter, sampler, text, stats."""
+
+    def __init__(self, request: GenerationRequest, engine: "Engine") -> None:
+        params = request.params
+        self.request = request
+        self.params = params
+        self.cache = engine.forward.new_cache(len(request.prompt_ids) + min(params.max_tokens, 512) + engine.max_draft + 1)
+        self.pending: list[TokenId] = list(request.prompt_ids)
+        self.output_ids: list[TokenId] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.stop_token_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else engine.tokenizer.eos_token_ids
+        )
+        self.sampler = Sampler(params)
+        self.text = TextAssembler(engine.tokenizer, params.stop)
+        self.acceptance = AcceptanceStats()
+        self.stats = SequenceStats(prompt_tokens=len(request.prompt_ids), started_at=time.perf_counter())
+        self.finish_reason: FinishReason | None = None
+        spec = request.speculation
+        self.max_draft = 0 if not (spec.enabled and engine.drafting.enabled) else min(
+            engine.max_draft, spec.max_draft if spec.max_draft is not None else engine.max_draft
+        )
+        self.drafter: SuffixDrafter | NGramDrafter | None = None
+        if self.max_draft > 0:
+            self.drafter = engine.new_drafter(self.stop_token_ids)
+            for doc in request.draft_context:
+                self.drafter.add_context(doc)
+            self.drafter.extend(request.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finish("cancelled")
+
+    def finish(self, reason: FinishReason) -> None:
+        self.finish_reason = reason
+        self.stats.finished_at = time.perf_counter()
+        # Free the KV cache now; the sequence object may outlive the request's bookkeeping.
+        self.cache = None  # type: ignore[assignment]
+        self.drafter = None
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[TokenId]
+    finish_reason: FinishReason
+    stats: SequenceStats
+    logprobs: list[TokenLogprob] | None
+
+
+class Engine:
+    """Speculative decoding over a loaded model. Not thread-safe: one thread drives ``step``."""
+
+    def __init__(
+        self,
+        forward: Any,
+        tokenizer: Tokenizer,
+        drafting: DraftingConfig,
+        cost_curve: Sequence[float] | None = None,
+        prefill_chunk: int = 512,
+    ) -> None:
+        self.forward = forward
+        self.tokenizer = tokenizer
+        self.drafting = drafting
+        self.max_draft = drafting.max_draft if drafting.enabled else 0
+        self.prefill_chunk = prefill_chunk
+        self.policy: DraftLengthPolicy | None = None
+        if drafting.adaptive and self.max_draft > 0:
+            if cost_curve is None:
+                raise ValueError("adaptive drafting needs a measured cost curve")
+            self.policy = DraftLengthPolicy(cost_curve)
+            self.max_draft = min(self.max_draft, self.policy.max_draft)
+
+    def new_drafter(self, stop_token_ids: frozenset[TokenId]) -> SuffixDrafter | NGramDrafter:
+        d = self.drafting
+        if d.method == "ngram":
+            return NGramDrafter(n=d.max_n, threshold=d.threshold, stop_token_ids=stop_token_ids)
+        return SuffixDrafter(min_n=d.min_n, max_n=d.max_n, stop_token_ids=stop_token_ids)
+
+    def start(self, request: GenerationRequest) -> Generation:
+        if not request.prompt_ids:
+            raise ValueError("the prompt is empty")
+        total = len(request.prompt_ids) + request.params.max_tokens
+        if total > self.forward.max_positions:
+            raise ValueError(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.params.max_tokens}) = {total} "
+                f"exceeds the context window of {self.forward.max_positions} tokens"
+            )
+        return Generation(request, self)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def step(self, sequences: Sequence[Generation]) -> list[StepOutput | None]:
+        """Advance each unfinished sequence by one forward pass (all in the same pass)."""
+        running = [s for s in sequences if not s.finished]
+        # 1. Plan: prompt chunk, or pending token + draft.
+        plans = [self._plan(s) for s in running]
+        # 2. One forward pass over everything.
+        logits = self.forward.forward([(s.cache, p.tokens, p.num_logits) for s, p in zip(running, plans)])
+        # 3-4. Accept, commit, emit.
+        outputs = {id(s): self._commit(s, p, lg) for s, p, lg in zip(running, plans, logits)}
+        return [outputs.get(id(s)) for s in sequences]
+
+    def _plan(self, seq: Generation) -> _Plan:
+        if len(seq.pending) > self.prefill_chunk:
+            return _Plan(seq.pending[: self.prefill_chunk], 0, [], 0)
+        draft, bucket = self._draft(seq)
+        return _Plan(seq.pending + draft, 1 + len(draft), draft, bucket)
+
+    def _draft(self, seq: Generation) -> tuple[list[TokenId], int]:
+        if seq.drafter is None:
+            return [], 0
+        # The pass itself yields one token, so drafts beyond max_tokens - 1 can never be used.
+        budget = min(seq.max_draft, seq.params.max_tokens - len(seq.output_ids) - 1)
+        proposal = seq.drafter.propose(budget)
+        if not proposal:
+            return [], 0
+        bucket = match_bucket(seq.drafter.last_match_length)
+        if self.policy is not None:
+            k = self.policy.choose(len(proposal), seq.acceptance.first_accept(bucket), seq.acceptance.next.mean)
+            proposal = proposal[:k]
+        if seq.params.stop and proposal:
+            proposal = self._cut_at_stop_string(seq, proposal)
+        return proposal, bucket
+
+    def _cut_at_stop_string(self, seq: Generation, draft: list[TokenId]) -> list[TokenId]:
+        """Never draft past a stop string: end the draft at the token that completes one."""
+        context = seq.output_ids[-16:]
+        base = len(self.tokenizer.decode(context))
+        for i in range(1, len(draft) + 1):
+            text = self.tokenizer.decode(context + draft[:i])
+            window = text[max(base - max(len(s) for s in seq.params.stop), 0) :]
+            if any(stop in window for stop in seq.params.stop):
+                return draft[:i]
+        return draft
+
+    def _commit(self, seq: Generation, plan: _Plan, logits: torch.Tensor) -> StepOutput | None:
+        if plan.num_logits == 0:  # a prefill chunk: nothing to accept yet
+            seq.pending = seq.pending[len(plan.tokens) :]
+            seq.stats.prefill_chunks += 1
+            return None
+        now = time.perf_counter()
+        seq.stats.forward_passes += 1
+        draft = plan.draft
+        tokens, num_accepted = seq.sampler.verify(logits, draft, len(seq.output_ids))
+        # Rejected drafts leave the cache; the last emitted token is fed next step.
+        seq.cache.crop(seq.cache.length - (len(draft) - num_accepted))
+        seq.stats.drafted_tokens += len(draft)
+        seq.stats.accepted_tokens += num_accepted
+        seq.acceptance.observe(plan.bucket, len(draft), num_accepted)
+
+        # Stops that end on a token: EOS / stop token ids, then max_tokens.
+        finish: FinishReason | None = None
+        for i, token in enumerate(tokens):
+            if token in seq.stop_token_ids:
+                tokens, finish = tokens[: i + 1], "stop"
+                break
+        room = seq.params.max_tokens - len(seq.output_ids)
+        if len(tokens) >= room:
+            tokens = tokens[:room]
+            finish = finish or "length"
+        emitted = [t for t in tokens if t not in seq.stop_token_ids]
+        kept, text = seq.text.add(emitted)
+        if kept < len(emitted):  # a stop string ended generation inside these tokens
+            tokens = emitted[:kept]
+        if seq.text.stopped is not None:
+            finish = "stop"
+        logprobs = self._logprobs(seq, logits, tokens)
+        seq.output_ids.extend(tokens)
+        seq.stats.output_tokens = len(seq.output_ids)
+        if seq.stats.first_token_at is None:
+            seq.stats.first_token_at = now
+        if finish is not None:
+            text += seq.text.flush()
+            seq.finish(finish)
+        else:
+            seq.pending = [tokens[-1]]
+            if seq.drafter is not None:
+                seq.drafter.extend(tokens)
+        return StepOutput(token_ids=tokens, text=text, logprobs=logprobs, finished=finish is not None)
+
+    def _logprobs(self, seq: Generation, logits: torch.Tensor, tokens: list[TokenId]) -> list[TokenLogprob] | None:
+        if seq.logprobs is None or not tokens:
+            return None
+        top_n = seq.params.logprobs or 0
+        logp = torch.log_softmax(logits[: len(tokens)], dim=-1)  # [tokens, vocab]
+        chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        top_values, top_ids = (logp.topk(top_n, dim=-1) if top_n else (logp[:, :0], logp[:, :0].long()))
+        result = [
+            TokenLogprob(token, lp, list(zip(ids, values)))
+            for token, lp, ids, values in zip(tokens, chosen, top_ids.tolist(), top_values.tolist())
+        ]
+        seq.logprobs.extend(result)
+        return result
+
+    # -- convenience ----------------------------------------------------------------------------
+
+    def generate(self, request: GenerationRequest, on_output: Callable[[StepOutput], None] | None = None) -> GenerationResult:
+        """Run one request to the end on the calling thread."""
+        seq = self.start(request)
+        pieces = []
+        while not seq.finished:
+            out = self.step([seq])[0]
+            if out is not None:
+                pieces.append(out.text)
+                if on_output is not None:
+                    on_output(out)
+        return GenerationResult(
+            text="".join(pieces),
+            token_ids=seq.output_ids,
+            finish_reason=seq.finish_reason or "error",
+            stats=seq.stats,
+            logprobs=seq.logprobs,
+        )

@@ -1,0 +1,129 @@
+"""Sampling parameters and the verification rule: which drafted tokens the model keeps.
+
+Greedy (temperature 0): draft token i is accepted while it equals the argmax at position i; the
+first mismatch contributes the model's own argmax (the *recovered* token), and when every draft
+matches, the argmax after the last one is a free *bonus* token.
+
+Sampling: an n-gram draft is a point mass, q(x) = 1. The exact rule (Leviathan et al. 2023) is:
+accept x with probability p(x); on rejection sample from p with x removed and renormalised. We
+implement it as *sample and compare*, which is the same thing: draw y ~ p at the position and
+accept the draft iff y == x. P(accept) = p(x), and given rejection y is distributed as
+p(. | y != x), the residual. Drawing y with randomness keyed by (seed, output position) makes a
+seeded request produce the same tokens whether or not it drafts, and however many tokens it
+drafts: position t always draws y_t from p_t with the same random numbers.
+
+Target distribution p: logits / temperature, then top-k, then top-p (nucleus), then min-p, as
+vLLM and transformers apply them.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+TokenId = int
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[TokenId, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob and the top n
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (seed, position): splitmix64 of their combination."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution to sample from, for logits ``[..., vocab]`` (float32)."""
+    scores = logits / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if params.min_p > 0:
+        floor = params.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+@dataclass
+class Sampler:
+    """Draws tokens for one request with randomness keyed by output position."""
+
+    params: SamplingParams
+    seed: int = field(default=-1)
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
+
+    def sample(self, logits: torch.Tensor, position: int) -> TokenId:
+        """One token from p(. | logits) using the random numbers of output ``position``."""
+        probs = target_probs(logits, self.params)
+        generator = torch.Generator(device="cpu").manual_seed(_mix(self.seed, position))
+        # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i.
+        race = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=generator)
+        return int(torch.argmax(probs.cpu() / race))
+
+    def verify(self, logits: torch.Tensor, draft_tokens: list[TokenId], first_position: int) -> tuple[list[TokenId], int]:
+        """Accept a prefix of ``draft_tokens`` against ``logits`` ``[len(draft) + 1, vocab]``.
+
+        Returns (tokens to emit, number of drafts accepted): the accepted drafts followed by the
+        recovered token (first rejection) or the bonus token (all accepted).
+        """
+        if self.params.greedy:
+            targets = logits.argmax(dim=-1).tolist()
+            num_accepted = 0
+            while num_accepted < len(draft_tokens) and draft_tokens[num_accepted] == targets[num_accepted]:
+                num_accepted += 1
+            return draft_tokens[:num_accepted] + [targets[num_accepted]], num_accepted
+        for i, draft_token in enumerate(draft_tokens):
+            token = self.sample(logits[i], first_position + i)
+            if token != draft_token:
+                return draft_tokens[:i] + [token], i
+        bonus = self.sample(logits[len(draft_tokens)], first_position + len(draft_tokens))
+        return draft_tokens + [bonus], len(draft_tokens)

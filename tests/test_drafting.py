@@ -1,0 +1,180 @@
+"""Drafter and draft-length policy on plain lists of token ids (no model, no torch)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from drafting import AcceptanceStats, DraftLengthPolicy, NGramDrafter, NGramModel, SuffixDrafter, expected_yield
+
+EOS = 2
+
+# (live tokens, context documents, max_len, expected proposal, the wrong answer it guards against)
+SUFFIX_TABLE = [
+    # The docstring's worked example: the most recent occurrence of the longest match wins.
+    ([5, 6, 7, 9, 5, 6, 7, 8, 5, 6], [], 4, [7, 8, 5, 6]),  # not [7, 9, ...] (oldest occurrence)
+    # A longer match beats a more recent shorter one.
+    ([1, 2, 3, 4, 9, 3, 5, 1, 2, 3], [], 2, [4, 9]),  # not [5, 1] (most recent 1-gram "3")
+    # No earlier occurrence of any suffix: no draft, as the empty list.
+    ([1, 2, 3, 4], [], 3, []),  # not None, not the input handed back
+    # The sequence's own suffix is not a match for itself.
+    ([7, 8, 9], [], 3, []),  # not [] by accident of max_len: [9] must not match at the end
+    # Overlapping continuation of a repetition runs up to the end of the sequence.
+    ([1, 2, 1, 2, 1, 2], [], 8, [1, 2]),  # not [1, 2, 1, 2] (reads past the end)
+    # Never drafts past EOS: the proposal ends with the EOS token.
+    ([4, 5, EOS, 6, 7, 4, 5], [], 5, [EOS]),  # not [EOS, 6, 7]
+    # Extra context wins a tie against the live sequence (Predicted Outputs rule).
+    ([3, 4, 10, 3, 4], [[3, 4, 20, 21]], 2, [20, 21]),  # not [10, 3] from the prompt
+    # ... but a longer match in the live sequence beats a shorter one in the context.
+    ([1, 3, 4, 10, 1, 3, 4], [[3, 4, 20]], 1, [10]),  # not [20] (2-gram match vs 3-gram)
+    # max_len caps the proposal, and 0 means no draft.
+    ([1, 2, 3, 1, 2], [], 1, [3]),
+    ([1, 2, 3, 1, 2], [], 0, []),
+]
+
+
+@pytest.mark.parametrize("live, contexts, max_len, expected", SUFFIX_TABLE)
+def test_suffix_drafter_table(live, contexts, max_len, expected):
+    drafter = SuffixDrafter(min_n=1, max_n=3, stop_token_ids=[EOS])
+    for doc in contexts:
+        drafter.add_context(doc)
+    drafter.extend(live)
+    assert drafter.propose(max_len) == expected
+
+
+def test_suffix_drafter_min_n_rejects_short_matches():
+    drafter = SuffixDrafter([1, 2, 3, 9, 3], min_n=2, max_n=4)
+    assert drafter.propose(3) == []  # a 1-gram match ("3") is below min_n
+
+
+def test_suffix_drafter_follows_a_confirmed_match_instead_of_jumping():
+    # The phrase [1, 2, 3] occurs twice in the document; while copying its first occurrence the
+    # drafter must keep following it, not jump to the most recent occurrence of the suffix.
+    doc = [1, 2, 3, 4, 5, 6, 1, 2, 3, 7, 8]
+    drafter = SuffixDrafter(min_n=1, max_n=3)
+    drafter.add_context(doc)
+    drafter.extend([0, 1, 2, 3])
+    assert drafter.propose(2) == [7, 8]  # fresh lookup: most recent occurrence of [1, 2, 3]
+    drafter = SuffixDrafter(min_n=1, max_n=3)
+    drafter.add_context(doc)
+    drafter.extend([0, 1])
+    assert drafter.propose(2) == [2, 3]  # 1-gram [1]: most recent occurrence, position 7
+    drafter = SuffixDrafter(min_n=1, max_n=3)
+    drafter.add_context(doc)
+    drafter.extend([9, 3])
+    assert drafter.propose(1) == [7]  # most recent "3" is at position 8
+    drafter.extend([4])  # the model wrote 4, the followed match broke
+    drafter.extend([5])
+    assert drafter.propose(3) == [6, 1, 2]  # lookup of [4, 5] -> first occurrence region
+    drafter.extend([6, 1, 2, 3])  # confirmed through the second [1, 2, 3]...
+    assert drafter.propose(2) == [7, 8]
+
+
+def test_suffix_drafter_follow_keeps_position_in_repeated_phrase():
+    doc = [1, 2, 3, 4, 1, 2, 3, 5]
+    drafter = SuffixDrafter(min_n=1, max_n=2)
+    drafter.add_context(doc)
+    drafter.extend([0, 9, 1, 2, 3, 4])
+    # Lookup of [3, 4] -> continuation at 4; follow [1, 2, 3] from there.
+    assert drafter.propose(3) == [1, 2, 3]
+    drafter.extend([1, 2])
+    # The followed run (length >= 4) beats the fresh 2-gram lookup of [1, 2] (most recent at 5).
+    assert drafter.propose(2) == [3, 5]
+
+
+def test_incremental_suffix_index_equals_rebuilt_index():
+    rng = random.Random(0)
+    tokens = [rng.randrange(6) for _ in range(400)]
+    context = [rng.randrange(6) for _ in range(50)]
+    incremental = SuffixDrafter(min_n=1, max_n=4)
+    incremental.add_context(context)
+    pos = 0
+    while pos < len(tokens):
+        step = rng.randrange(1, 6)
+        incremental.extend(tokens[pos : pos + step])
+        pos += step
+        rebuilt = SuffixDrafter(min_n=1, max_n=4)
+        rebuilt.add_context(context)
+        rebuilt.extend(tokens[:pos])
+        assert incremental._live_index == rebuilt._live_index
+        assert incremental._context_index == rebuilt._context_index
+        # Fresh lookups agree (the followed match is per-history state, compared separately).
+        assert incremental._lookup() == rebuilt._lookup()
+
+
+def test_ngram_model_worked_example():
+    model = NGramModel(3, [1, 2, 3, 1, 2, 4, 1, 2, 3])
+    assert model.next_token([1, 2]) == (3, pytest.approx(2 / 3))
+    assert model.suggest([9, 1, 2], threshold=0.5) == [3, 1, 2]  # stops when 4/9 < 0.5
+    assert model.suggest([9, 1, 2], threshold=0.4) == [3, 1, 2, 3, 1, 2]  # (2/3)^3 < 0.4 stops
+    assert model.suggest([9, 1, 2], threshold=0.9) == []  # first token already below
+
+
+def test_ngram_model_backs_off_to_shorter_histories():
+    model = NGramModel(3, [1, 2, 3])
+    assert model.next_token([7, 2]) == (3, 1.0)  # (7, 2) unseen -> history (2,)
+    assert model.next_token([7, 8]) == (1, pytest.approx(1 / 3))  # unigram: first to reach 1
+
+
+def test_ngram_model_incremental_equals_rebuilt():
+    rng = random.Random(1)
+    tokens = [rng.randrange(5) for _ in range(300)]
+    incremental = NGramModel(4)
+    for i in range(0, 300, 7):
+        incremental.update(tokens[i : i + 7])
+    rebuilt = NGramModel(4, tokens)
+    for k in range(4):
+        assert {h: f.counts for h, f in incremental._tables[k].items()} == {
+            h: f.counts for h, f in rebuilt._tables[k].items()
+        }
+    for i in range(50):
+        ctx = tokens[: rng.randrange(1, 300)]
+        assert incremental.suggest(ctx, 0.2) == rebuilt.suggest(ctx, 0.2)
+
+
+def test_ngram_drafter_stops_after_eos_and_keeps_context_separate():
+    drafter = NGramDrafter([5, 6, EOS, 7], n=3, threshold=0.5, stop_token_ids=[EOS])
+    drafter.extend([5])
+    assert drafter.propose(5) == [6, EOS]  # never past EOS
+    drafter.add_context([8, 9, 10])
+    drafter.extend([8])
+    assert drafter.propose(2) == [9, 10]
+    assert drafter.tokens == [5, 6, EOS, 7, 5, 8]  # context is indexed, never part of the sequence
+
+
+def test_policy_drafts_nothing_when_drafts_do_not_pay():
+    cost = [0.0, 1.0, 1.5, 2.0, 2.5]  # each extra token costs half a step
+    policy = DraftLengthPolicy(cost)
+    assert policy.choose(3, a1=0.2, an=0.2) == 0  # 1.2 / 1.5 < 1
+    assert policy.choose(3, a1=0.99, an=0.99) == 3
+    assert policy.choose(0, a1=0.99, an=0.99) == 0
+
+
+def test_policy_draft_length_grows_with_acceptance_on_a_flat_curve():
+    cost = [0.0] + [1.0 + 0.03 * t for t in range(17)]
+    policy = DraftLengthPolicy(cost)
+    lengths = [policy.choose(16, a, a) for a in (0.01, 0.1, 0.3, 0.6, 0.9, 0.99)]
+    assert lengths == sorted(lengths)
+    assert lengths[0] == 0 and lengths[-1] == 16
+
+
+def test_policy_choice_is_the_best_expected_rate():
+    cost = [0.0, 1.0, 1.1, 1.3, 1.6, 2.0, 2.5]
+    policy = DraftLengthPolicy(cost)
+    for a1 in (0.1, 0.4, 0.7, 0.95):
+        for an in (0.3, 0.8, 0.99):
+            k = policy.choose(5, a1, an)
+            rates = [expected_yield(j, a1, an) / cost[j + 1] for j in range(6)]
+            assert rates[k] == max(rates)
+
+
+def test_acceptance_stats_follow_observations():
+    stats = AcceptanceStats()
+    for _ in range(30):
+        stats.observe(bucket=4, num_drafted=8, num_accepted=8)
+        stats.observe(bucket=1, num_drafted=2, num_accepted=0)
+    assert stats.first_accept(4) > 0.9
+    assert stats.first_accept(1) < 0.1
+    assert stats.next.mean > 0.9
+    assert stats.first_accept(3) == 0.5  # unseen bucket: the uniform prior

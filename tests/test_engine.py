@@ -1,0 +1,291 @@
+"""Engine properties on a tiny deterministic model: exactness, KV cache, stops, sampling."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from server.config import DraftingConfig
+from server.engine.engine import GenerationRequest, SpeculationParams
+from server.engine.sampling import Sampler, SamplingParams, target_probs
+from tests.tiny import EOS, tiny_engine, tiny_hf_model
+from server.engine.llama import LlamaForward
+from server.engine.hf_runner import HFForward
+
+FORCED = DraftingConfig(adaptive=False, max_draft=8)  # always draft what the drafter proposes
+
+
+def _prompt(seed: int, length: int = 12) -> list[int]:
+    rng = random.Random(seed)
+    base = [rng.randrange(1, 64) for _ in range(length)]
+    return base + base  # a repetition gives the drafter something to match
+
+
+def _corrupt(tokens: list[int], every: int) -> list[int]:
+    return [(t % 62) + 1 if i % every == every - 1 else t for i, t in enumerate(tokens)]
+
+
+def _generate(engine, prompt, params, spec=True, context=()):
+    request = GenerationRequest(prompt, params, SpeculationParams(enabled=spec), draft_context=[list(c) for c in context])
+    return engine.generate(request)
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_greedy_output_identical_with_and_without_drafting(backend):
+    engine = tiny_engine(backend, FORCED)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    drafted = accepted = 0
+    for seed in range(6):
+        prompt = _prompt(seed)
+        plain = _generate(engine, prompt, params, spec=False)
+        assert plain.stats.drafted_tokens == 0
+        # A prediction that is right except every 5th token: drafts are accepted and rejected.
+        prediction = _corrupt(plain.token_ids, 5)
+        spec = _generate(engine, prompt, params, context=[prediction])
+        assert spec.token_ids == plain.token_ids
+        assert spec.text == plain.text
+        assert spec.stats.forward_passes < plain.stats.forward_passes
+        drafted += spec.stats.drafted_tokens
+        accepted += spec.stats.accepted_tokens
+    # Guard against passing because nothing was drafted or nothing was accepted/rejected.
+    assert accepted > 50
+    assert drafted > accepted
+
+
+def test_greedy_output_identical_with_adaptive_draft_length():
+    engine = tiny_engine("native", DraftingConfig(max_draft=8))
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    for seed in range(3):
+        prompt = _prompt(seed)
+        plain = _generate(engine, prompt, params, spec=False)
+        spec = _generate(engine, prompt, params, context=[plain.token_ids])
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.accepted_tokens > 20
+
+
+def test_native_forward_matches_transformers_logits():
+    model = tiny_hf_model(3)
+    native = LlamaForward(model, 512)
+    fallback = HFForward(model, 512)
+    tokens = _prompt(3, 30)
+    a_cache, b_cache = native.new_cache(64), fallback.new_cache(64)
+    a = native.forward([(a_cache, tokens[:20], 20)])[0]
+    b = fallback.forward([(b_cache, tokens[:20], 20)])[0]
+    torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    a = native.forward([(a_cache, tokens[20:], 10)])[0]
+    b = fallback.forward([(b_cache, tokens[20:], 10)])[0]
+    torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+
+
+def test_batched_forward_equals_separate_forwards():
+    model = tiny_hf_model(4)
+    forward = LlamaForward(model, 512)
+    prompts = [_prompt(s, 7 + s) for s in range(3)]
+    separate = []
+    for p in prompts:
+        cache = forward.new_cache(8)
+        forward.forward([(cache, p, 1)])
+        separate.append(forward.forward([(cache, [5, 6, 7], 3)])[0])
+    caches = [forward.new_cache(8) for _ in prompts]
+    forward.forward([(c, p, 1) for c, p in zip(caches, prompts)])
+    batched = forward.forward([(c, [5, 6, 7], 3) for c in caches])
+    for x, y in zip(separate, batched):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_kv_cache_after_rejection_equals_fresh_prefill(backend):
+    model = tiny_hf_model(5)
+    forward = LlamaForward(model, 512) if backend == "native" else HFForward(model, 512)
+    prompt = _prompt(5, 10)
+    cache = forward.new_cache(4)  # small on purpose: the cache must grow
+    forward.forward([(cache, prompt, 1)])
+    draft = [3, 4, 5, 6, 7]
+    forward.forward([(cache, [9] + draft, 6)])
+    cache.crop(len(prompt) + 1 + 2)  # the pending token and two drafts were accepted
+    fresh = forward.new_cache(4)
+    forward.forward([(fresh, prompt + [9, 3, 4], 1)])
+    assert cache.length == fresh.length == len(prompt) + 3
+    if backend == "native":
+        torch.testing.assert_close(cache.k[:, :, : cache.length], fresh.k[:, :, : fresh.length], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache.v[:, :, : cache.length], fresh.v[:, :, : fresh.length], atol=1e-5, rtol=1e-5)
+    else:
+        for a, b in zip(cache.cache.layers, fresh.cache.layers):
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+    # And the next step computes the same logits from either cache.
+    x = forward.forward([(cache, [11, 12], 2)])[0]
+    y = forward.forward([(fresh, [11, 12], 2)])[0]
+    torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+
+
+def test_max_tokens_ends_generation_exactly():
+    engine = tiny_engine("native", FORCED)
+    prompt = _prompt(1)
+    full = _generate(engine, prompt, SamplingParams(max_tokens=40, ignore_eos=True), spec=False)
+    for n in (1, 7, 23):
+        res = _generate(engine, prompt, SamplingParams(max_tokens=n, ignore_eos=True), context=[full.token_ids])
+        assert res.token_ids == full.token_ids[:n]
+        assert res.finish_reason == "length"
+        assert res.stats.output_tokens == n
+
+
+def test_eos_ends_generation_exactly():
+    engine = tiny_engine("native", FORCED)
+    prompt = _prompt(24)  # this prompt's greedy output has its first EOS at position 26
+    full = _generate(engine, prompt, SamplingParams(max_tokens=40, ignore_eos=True), spec=False)
+    # The first EOS the model produces ends the output, EOS included in the token count.
+    assert EOS in full.token_ids, "the tiny model is expected to produce EOS within 40 tokens"
+    end = full.token_ids.index(EOS) + 1
+    for spec in (False, True):
+        res = _generate(engine, prompt, SamplingParams(max_tokens=40), spec=spec, context=[full.token_ids])
+        assert res.token_ids == full.token_ids[:end]
+        assert res.finish_reason == "stop"
+        assert res.text == engine.tokenizer.decode(full.token_ids[:end])
+
+
+def test_stop_string_ends_generation_and_is_never_emitted():
+    engine = tiny_engine("native", FORCED)
+    prompt = _prompt(3)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    full = _generate(engine, prompt, params, spec=False)
+    text = full.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    expected = text[: text.index(stop)]
+    for spec in (False, True):
+        chunks: list[str] = []
+        res = engine.generate(
+            GenerationRequest(
+                prompt,
+                SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,)),
+                SpeculationParams(enabled=spec),
+                draft_context=[full.token_ids],
+            ),
+            on_output=lambda out: chunks.append(out.text),
+        )
+        assert res.text == expected
+        assert "".join(chunks) == expected
+        assert res.finish_reason == "stop"
+        # Tokens end at the one that completed the stop string.
+        decoded = engine.tokenizer.decode(res.token_ids)
+        assert stop in decoded and stop not in engine.tokenizer.decode(res.token_ids[:-1])
+
+
+def test_sample_and_compare_rule_is_exact_on_synthetic_logits():
+    """P(accept draft x) = p(x), and a rejected position is distributed as p without x.
+
+    40,000 fixed seeds: the test is deterministic, and the tolerances are > 5 standard errors, so
+    it would fail only if the rule were wrong (a correct rule fails with p < 1e-6 for a new seed).
+    """
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    params = SamplingParams(temperature=1.0)
+    p = target_probs(logits[0], params)
+    draft = 1
+    accepted = 0
+    residual: Counter[int] = Counter()
+    n = 40_000
+    for seed in range(n):
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
+        tokens, num_accepted = sampler.verify(torch.cat([logits, logits]), [draft], 0)
+        if num_accepted:
+            accepted += 1
+        else:
+            residual[tokens[0]] += 1
+    rate = accepted / n
+    assert abs(rate - float(p[draft])) < 5 * math.sqrt(p[draft] * (1 - p[draft]) / n)
+    rest = 1 - float(p[draft])
+    rejected = n - accepted
+    assert residual[draft] == 0
+    for token in range(5):
+        if token == draft:
+            continue
+        expected = float(p[token]) / rest
+        se = math.sqrt(expected * (1 - expected) / rejected)
+        assert abs(residual[token] / rejected - expected) < 5 * se
+
+
+def test_sampling_follows_target_distribution_with_drafting():
+    """Two sampled tokens after a fixed prompt, with drafts from the prompt, against the exact
+    joint distribution computed from the model (chi-square, 16 x 16 outcomes pooled to cells with
+    expected count >= 5). Seeds 0..1999 are fixed, so the test is deterministic; the threshold
+    is the chi-square 0.999999 quantile, so a correct sampler passes for essentially any seeds.
+    """
+    vocab = 16
+    engine = tiny_engine("native", FORCED, vocab_size=vocab, logit_scale=1.0, seed=7)
+    forward = engine.forward
+    prompt = [3, 5, 7, 9, 3, 5]
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    # Exact joint distribution of the first two tokens.
+    cache = forward.new_cache(16)
+    first = torch.softmax(forward.forward([(cache, prompt, 1)])[0][0], -1)
+    joint = torch.zeros(vocab, vocab)
+    for a in range(vocab):
+        c = forward.new_cache(16)
+        second = torch.softmax(forward.forward([(c, prompt + [a], 1)])[0][0], -1)
+        joint[a] = first[a] * second
+    counts = torch.zeros(vocab, vocab)
+    n = 2000
+    drafted = accepted = 0
+    for seed in range(n):
+        # The drafter matches the prompt's tail [3, 5] at its start and proposes [7, 9].
+        res = _generate(engine, prompt, SamplingParams(**{**params.__dict__, "seed": seed}))
+        a, b = res.token_ids[:2]
+        counts[a, b] += 1
+        drafted += res.stats.drafted_tokens
+        accepted += res.stats.accepted_tokens
+    assert drafted > n and 0 < accepted < drafted  # drafts were made, some kept, some rejected
+    expected = joint.flatten() * n
+    observed = counts.flatten()
+    order = torch.argsort(expected)
+    # Pool the smallest cells so every cell expects at least 5 samples.
+    cells_e, cells_o, acc_e, acc_o = [], [], 0.0, 0.0
+    for i in order.tolist():
+        acc_e += float(expected[i])
+        acc_o += float(observed[i])
+        if acc_e >= 5:
+            cells_e.append(acc_e)
+            cells_o.append(acc_o)
+            acc_e = acc_o = 0.0
+    if acc_e:
+        cells_e[-1] += acc_e
+        cells_o[-1] += acc_o
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(cells_o, cells_e))
+    dof = len(cells_e) - 1
+    # Wilson-Hilferty approximation of the chi-square quantile at 1 - 1e-6 (z = 4.75).
+    quantile = dof * (1 - 2 / (9 * dof) + 4.75 * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < quantile, (chi2, dof)
+
+
+def test_seeded_sampling_reproduces_and_does_not_depend_on_drafting():
+    engine = tiny_engine("native", FORCED)
+    prompt = _prompt(4)
+    params = SamplingParams(max_tokens=48, temperature=0.8, top_p=0.9, top_k=20, seed=1234, ignore_eos=True)
+    a = _generate(engine, prompt, params, spec=False)
+    b = _generate(engine, prompt, params, spec=False)
+    c = _generate(engine, prompt, params, context=[_corrupt(a.token_ids, 4)])
+    assert a.token_ids == b.token_ids
+    assert c.token_ids == a.token_ids
+    assert c.stats.accepted_tokens > 10
+    other = _generate(engine, prompt, SamplingParams(**{**params.__dict__, "seed": 99}), spec=False)
+    assert other.token_ids != a.token_ids
+
+
+def test_prompt_too_long_for_context_window_is_an_error():
+    engine = tiny_engine("native")
+    with pytest.raises(ValueError, match="exceeds the context window of 512 tokens"):
+        engine.start(GenerationRequest([1] * 500, SamplingParams(max_tokens=20)))
+
+
+def test_chunked_prefill_gives_the_same_output():
+    chunked = tiny_engine("native", FORCED, prefill_chunk=5)
+    whole = tiny_engine("native", FORCED)
+    prompt = _prompt(6, 20)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    a = _generate(chunked, prompt, params)
+    b = _generate(whole, prompt, params)
+    assert a.token_ids == b.token_ids
+    assert a.stats.prefill_chunks == 7  # 40 prompt tokens in chunks of 5, the last one with logits

@@ -1,0 +1,84 @@
+"""A tiny deterministic Llama model and tokenizer for fast engine tests.
+
+The model is a real transformers ``LlamaForCausalLM`` (2 layers, hidden 64) with weights drawn
+from a fixed seed, so both the native forward and the transformers fallback can run it. The
+"tokenizer" maps token i to a short string; it has the interface the engine uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from server.config import DraftingConfig
+from server.engine.engine import Engine
+from server.engine.hf_runner import HFForward
+from server.engine.llama import LlamaForward
+
+EOS = 0
+
+
+class TinyTokenizer:
+    """Token i decodes to letters: 1..26 -> 'a'..'z', others -> '<i>'; EOS (0) decodes to ''."""
+
+    eos_token_ids = frozenset({EOS})
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def piece(self, token: int) -> str:
+        if token == EOS:
+            return ""
+        return chr(ord("a") + token - 1) if token <= 26 else f"<{token}>"
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.piece(t) for t in ids)
+
+
+def tiny_hf_model(seed: int = 0, vocab_size: int = 64, max_positions: int = 512, logit_scale: float = 4.0) -> LlamaForCausalLM:
+    """A random 2-layer Llama. ``logit_scale`` sharpens the output so greedy ties are far apart."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+def tiny_engine(
+    backend: str = "native",
+    drafting: DraftingConfig | None = None,
+    cost: list[float] | None = None,
+    seed: int = 0,
+    vocab_size: int = 64,
+    prefill_chunk: int = 512,
+    logit_scale: float = 4.0,
+) -> Engine:
+    """An engine over the tiny model. Adaptive drafting gets a flat synthetic cost curve."""
+    model = tiny_hf_model(seed, vocab_size, logit_scale=logit_scale)
+    forward = LlamaForward(model, 512) if backend == "native" else HFForward(model, 512)
+    drafting = drafting or DraftingConfig()
+    if cost is None and drafting.adaptive:
+        cost = [0.0] + [1.0 + 0.02 * t for t in range(drafting.max_draft + 1)]
+    return Engine(forward, TinyTokenizer(vocab_size), drafting, cost, prefill_chunk)  # type: ignore[arg-type]
