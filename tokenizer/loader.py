@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from tokenizer.budget import TokenBudget
 
 TokenId = int
 
@@ -71,6 +74,16 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[TokenId]:
         return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    @property
+    def budget(self) -> "TokenBudget":
+        """Exact token budgeting over this tokenizer (built on first use, then shared)."""
+        cached = self.__dict__.get("_budget")
+        if cached is None:
+            from tokenizer.budget import TokenBudget
+
+            cached = self.__dict__["_budget"] = TokenBudget(self)
+        return cached
 
 
 def load_tokenizer(model_dir_or_id: str, gguf_file: str | None = None) -> Tokenizer:

@@ -1,0 +1,160 @@
+"""Count tokens exactly while text is appended, at a cost proportional to what is appended.
+
+:class:`AppendingEncoder` keeps the text in two parts:
+
+- *settled* pieces, whose tokens no later append can change: a piece ``[p, e)`` of the
+  pre-tokenizer depends on the text up to ``e + 2`` at most (a whitespace run followed by a
+  non-space ends one character early), and on whether an added token starts before that. So a
+  piece settles once the text is two characters past it and no added token can still start
+  (the earliest place one could, ``q``, is where the longest suffix that is a proper prefix of an
+  added token begins) before its end + 2;
+- the *unsettled* rest, re-split on every append: usually the last word. Its first piece may be
+  a long run (``'a' * n``, a whitespace run), held as a :class:`~tokenizer.bpe_tables.PrefixEncoder`
+  that is extended byte by byte, plus its last few characters. Re-splitting uses those last
+  characters as a stand-in for the run: a suffix of a run splits like the run itself, so the
+  stand-in's first piece ends where the run's piece ends, and the encoder gives the count of the
+  run cut there. Appending characters of the run's own class only extends the encoder.
+
+Typical text costs one or two pattern matches and a cached piece lookup per append.
+"""
+
+from __future__ import annotations
+
+from tokenizer.bpe import TokenId
+from tokenizer.bpe_tables import PrefixEncoder
+from tokenizer.budget import TokenBudget
+from tokenizer.pretokenize import NO_SPECIAL
+
+
+class _Run:
+    """A long run piece at the start of the unsettled text."""
+
+    def __init__(self, budget: TokenBudget, text: str, keep: int) -> None:
+        self.encoder = PrefixEncoder(budget.bpe)
+        self.encoder.extend(budget.bpe.model_bytes(text))
+        self.length = len(text)  # characters
+        self.last = _stand_in(text, keep)  # its last characters, the stand-in for re-splitting
+        self.cls = budget.pretokenizer.char_class(text[-1])
+        self._bpe = budget.bpe
+        self._keep = keep
+
+    def extend(self, text: str) -> None:
+        self.encoder.extend(self._bpe.model_bytes(text))
+        self.length += len(text)
+        self.last = _stand_in(self.last + text, self._keep)
+
+    def truncate(self, chars: int) -> None:
+        """Keep the run's first ``chars`` characters (within the stand-in's reach)."""
+        cut = chars - (self.length - len(self.last))
+        self.encoder.truncate(self.byte_offset(chars))
+        self.length, self.last = chars, self.last[:cut]
+
+    def byte_offset(self, chars: int) -> int:
+        """Encoder offset of the run's first ``chars`` characters (within the stand-in's reach)."""
+        cut = chars - (self.length - len(self.last))
+        assert 0 <= cut <= len(self.last)
+        return len(self.encoder) - len(self._bpe.model_bytes(self.last[cut:]))
+
+
+def _stand_in(text: str, keep: int) -> str:
+    """The last ``keep`` characters of a run, less a leading apostrophe (which could start a
+    contraction such as ``'s`` that the run, an "other" run, did not)."""
+    last = text[-keep:]
+    return last[1:] if last.startswith("'") else last
+
+
+class AppendingEncoder:
+    """``append(text)``; then ``count`` and ``tokens`` equal a full encode of everything appended."""
+
+    def __init__(self, budget: TokenBudget) -> None:
+        self._budget = budget
+        self._pre = budget.pretokenizer
+        self._keep = max(self._pre.max_special_len, 2) + 2
+        self._settled: list[TokenId] = []
+        self._run: _Run | None = None
+        self._rest = ""  # unsettled text after the run (all of it when there is no run)
+        self._rest_tokens: list[TokenId] = []
+        self._length = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    @property
+    def count(self) -> int:
+        run = self._run
+        run_count = run.encoder.count() if run else 0
+        return len(self._settled) + run_count + len(self._rest_tokens)
+
+    @property
+    def tokens(self) -> list[TokenId]:
+        """All token ids so far (a copy: linear in the text, unlike ``append``)."""
+        run = self._run
+        run_tokens = run.encoder.tokens() if run else []
+        return [*self._settled, *run_tokens, *self._rest_tokens]
+
+    def append(self, text: str) -> None:
+        if not text:
+            return
+        self._length += len(text)
+        run = self._run
+        if (
+            run is not None
+            and not self._rest
+            and self._pre.run_length(text, 0, run.cls) == len(text)
+            and not any(ch in self._pre.special_last_chars for ch in text)
+        ):
+            run.extend(text)  # the run piece just grows; no added token can complete
+            return
+        self._resplit(text)
+
+    def _resplit(self, text: str) -> None:
+        run, pre, bpe = self._run, self._pre, self._budget.bpe
+        stand_in = run.last if run is not None else ""
+        local = stand_in + self._rest + text
+        pieces = pre.spans(local)
+        # The earliest position where an added token could still begin.
+        q = len(local)
+        for k in range(min(pre.max_special_len - 1, len(local)), 0, -1):
+            if local[-k:] in pre.special_prefixes:
+                q = len(local) - k
+                break
+        settle_before = min(len(local), q) - 2  # pieces ending at or before this are final
+        index = 0
+        if run is not None:
+            # The stand-in's first piece ends where the run's piece ends.
+            first_end = pieces[0][1] if pieces and pieces[0][0] == 0 and pieces[0][2] == NO_SPECIAL else 0
+            grow = first_end - len(stand_in)
+            if grow > 0:
+                run.extend(local[len(stand_in) : first_end])
+            elif grow < 0:  # the piece ends before the run does (a whitespace run, an added token)
+                run.truncate(run.length + grow)
+            if first_end > 0:
+                index = 1
+            if first_end > settle_before:
+                self._keep_unsettled(local, pieces, index, first_end)
+                return
+            # The run's piece is final.
+            self._settled.extend(run.encoder.tokens())
+            self._run = None
+        while index < len(pieces) and pieces[index][1] <= settle_before:
+            s, e, special = pieces[index]
+            self._settled.extend([special] if special != NO_SPECIAL else bpe.encode_piece(local[s:e]))
+            index += 1
+        if index < len(pieces) and pieces[index][2] == NO_SPECIAL:
+            s, e, _ = pieces[index]
+            if e - s > self._budget.long_piece:  # a long run begins the unsettled text
+                self._run = _Run(self._budget, local[s:e], self._keep)
+                index += 1
+                self._keep_unsettled(local, pieces, index, e)
+                return
+        start = pieces[index][0] if index < len(pieces) else len(local)
+        self._keep_unsettled(local, pieces, index, start)
+
+    def _keep_unsettled(self, local: str, pieces: list[tuple[int, int, TokenId]], index: int, start: int) -> None:
+        """The unsettled text after the run (or all of it) is ``local[start:]``, split as
+        ``pieces[index:]``."""
+        bpe = self._budget.bpe
+        self._rest = local[start:]
+        self._rest_tokens = []
+        for s, e, special in pieces[index:]:
+            self._rest_tokens.extend([special] if special != NO_SPECIAL else bpe.encode_piece(local[s:e]))
