@@ -35,7 +35,7 @@ import torch
 from server.config import load_config
 from server.engine.costmodel import measure_cost_curve
 from server.engine.engine import Engine, GenerationRequest, SpeculationParams
-from server.engine.loader import load_model, resolve_source
+from server.engine.loader import load_transformers, prepare
 from server.engine.sampling import SamplingParams
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
@@ -69,10 +69,8 @@ def load_prompts(task: str, n: int, data_dir: Path) -> list[dict[str, Any]]:
 class HFRunner:
     """transformers generate over the same weights, counting forward passes with a hook."""
 
-    def __init__(self, source: Any) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32).eval()
+    def __init__(self, model: Any) -> None:
+        self.model = model
         self.calls = 0
         self.model.register_forward_hook(lambda *_: setattr(self, "calls", self.calls + 1))
 
@@ -108,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
 
     config = load_config()
     print("loading models...", file=sys.stderr)
-    loaded = load_model(config.model)
+    source, tokenizer, hf_model = load_transformers(config.model)
+    loaded = prepare(hf_model, tokenizer, source.display_name, config.model.backend)
     cost = measure_cost_curve(loaded.forward, config.drafting.max_draft + 1)
     engine = Engine(loaded.forward, loaded.tokenizer, config.drafting, cost, config.server.prefill_chunk)
-    hf = HFRunner(resolve_source(config.model.source))
+    hf = HFRunner(hf_model)
     print("cost curve (ms): " + " ".join(f"{c * 1e3:.0f}" for c in cost[1:]), file=sys.stderr)
 
     per_prompt: list[dict[str, Any]] = []

@@ -25,3 +25,28 @@ def embedded_tokenizer():
 
     directory, name = embedded_gguf()
     return load_tokenizer(directory, name)
+
+
+@pytest.fixture(scope="session")
+def embedded_transformers():
+    """(tokenizer, transformers model) of the embedded model: the reference for exactness tests."""
+    from server.config import ModelConfig
+    from server.engine.loader import load_transformers
+
+    _, tokenizer, hf_model = load_transformers(ModelConfig())
+    return tokenizer, hf_model
+
+
+@pytest.fixture(scope="session")
+def embedded_engine(embedded_transformers):
+    """Parrot's engine on the embedded model (native forward built from the same weights)."""
+    from server.config import DraftingConfig
+    from server.engine.costmodel import measure_cost_curve
+    from server.engine.engine import Engine
+    from server.engine.loader import prepare
+
+    tokenizer, hf_model = embedded_transformers
+    loaded = prepare(hf_model, tokenizer, "SmolLM2-135M-Instruct")
+    drafting = DraftingConfig()
+    cost = measure_cost_curve(loaded.forward, drafting.max_draft + 1, repeats=1)
+    return Engine(loaded.forward, tokenizer, drafting, cost)

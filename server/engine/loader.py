@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +101,55 @@ def choose_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+def cache_root() -> str:
+    return os.environ.get("PARROT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "parrot")
+
+
+def _conversion_dir(source: ModelSource) -> str:
+    """Where the converted copy of a GGUF goes: keyed by its path, size and modification time."""
+    path = os.path.realpath(os.path.join(source.path, source.gguf_file or ""))
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return os.path.join(cache_root(), "converted", f"{source.display_name}-{key}")
+
+
+def _load_gguf_converted(source: ModelSource, dtype: torch.dtype) -> tuple[Tokenizer, Any]:
+    """Load a GGUF through a converted copy (safetensors + fixed tokenizer) kept in the cache.
+
+    Converting a GGUF with transformers parses the whole file four times (tokenizer, config,
+    weights map, tensors): about 30 s for the embedded model on these CPUs, against under 1 s to
+    read the converted copy. The copy holds the de-quantised float32 weights (exactly what the
+    conversion produces) and the tokenizer with its pre-tokenizer fix applied.
+    """
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    target = _conversion_dir(source)
+    if os.path.isfile(os.path.join(target, "model.safetensors")):
+        tokenizer = load_tokenizer(target)
+        tokenizer.name = source.display_name
+        return tokenizer, AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
+    log.info("converting %s (first load; later loads use %s)", source.gguf_file, target)
+    tokenizer = load_tokenizer(source.path, source.gguf_file)
+    hf_model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+    staging = None
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        staging = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".converting-")
+        save_model(hf_model, os.path.join(staging, "model.safetensors"))
+        config = hf_model.config.to_dict()
+        config.pop("quantization_config", None)
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(config, f)
+        tokenizer.hf.save_pretrained(staging)
+        os.replace(staging, target)
+    except OSError as exc:
+        log.warning("could not cache the converted model in %s (%s); the next load converts again", target, exc)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return tokenizer, hf_model.to(dtype)
+
+
 @dataclass
 class LoadedModel:
     forward: Any  # LlamaForward | HFForward
@@ -109,41 +162,55 @@ class LoadedModel:
     load_seconds: float
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
-    """Load the model named by ``config.source`` once; raise ModelNotFoundError if there is none."""
+def load_transformers(config: ModelConfig) -> tuple[ModelSource, Tokenizer, Any]:
+    """The source, tokenizer and transformers model named by ``config`` (on its device and dtype)."""
     from transformers import AutoModelForCausalLM
 
-    begin = time.perf_counter()
     if config.threads:
         torch.set_num_threads(config.threads)
     source = resolve_source(config.source)
     device = choose_device(config.device)
     dtype = choose_dtype(config.dtype, device)
     log.info("loading %s on %s (%s)", source.display_name, device, str(dtype).removeprefix("torch."))
+    hf_model: Any
     try:
-        tokenizer = load_tokenizer(source.path, source.gguf_file)
-        hf_model: Any = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=dtype)
+        if source.gguf_file is not None:
+            tokenizer, hf_model = _load_gguf_converted(source, dtype)
+        else:
+            tokenizer = load_tokenizer(source.path)
+            hf_model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
     except OSError as exc:
         raise ModelNotFoundError(f"cannot load model {config.source!r}: {exc}") from exc
-    hf_model.to(device).eval()
+    return source, tokenizer, hf_model.to(device).eval()
+
+
+def prepare(hf_model: Any, tokenizer: Tokenizer, name: str, backend: str = "auto") -> LoadedModel:
+    """Wrap a loaded transformers model in Parrot's forward (native when supported)."""
     context_window = int(getattr(hf_model.config, "max_position_embeddings", 0) or 4096)
-    backend = config.backend
     if backend == "auto":
         backend = "native" if native_support(hf_model) is None else "hf"
-    if backend == "native":
-        forward: Any = LlamaForward(hf_model, context_window)
-        del hf_model  # the native forward holds its own (packed) copies of the weights
-    else:
-        forward = HFForward(hf_model, context_window)
-    seconds = time.perf_counter() - begin
-    log.info("loaded in %.1f s: backend %s, context window %d", seconds, backend, context_window)
+    forward = LlamaForward(hf_model, context_window) if backend == "native" else HFForward(hf_model, context_window)
     return LoadedModel(
         forward=forward,
         tokenizer=tokenizer,
-        name=source.display_name,
-        device=device,
-        dtype=dtype,
+        name=name,
+        device=hf_model.device,
+        dtype=hf_model.dtype,
         backend=backend,
         context_window=context_window,
-        load_seconds=seconds,
+        load_seconds=0.0,
     )
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    """Load the model named by ``config.source`` once; raise ModelNotFoundError if there is none."""
+    begin = time.perf_counter()
+    source, tokenizer, hf_model = load_transformers(config)
+    # The native forward keeps its own (packed) copies of the weights; the transformers model
+    # is dropped after this call unless the fallback backend uses it.
+    loaded = prepare(hf_model, tokenizer, source.display_name, config.backend)
+    loaded.load_seconds = time.perf_counter() - begin
+    log.info(
+        "loaded in %.1f s: backend %s, context window %d", loaded.load_seconds, loaded.backend, loaded.context_window
+    )
+    return loaded
