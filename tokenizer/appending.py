@@ -20,6 +20,8 @@ Typical text costs one or two pattern matches and a cached piece lookup per appe
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from tokenizer.bpe import TokenId
 from tokenizer.bpe_tables import PrefixEncoder
 from tokenizer.budget import TokenBudget
@@ -73,8 +75,10 @@ class AppendingEncoder:
         self._settled: list[TokenId] = []
         self._run: _Run | None = None
         self._rest = ""  # unsettled text after the run (all of it when there is no run)
-        self._rest_tokens: list[TokenId] = []
+        self._rest_tokens: Sequence[TokenId] = ()
         self._length = 0
+        # Class of the one unsettled piece when appending that class can only extend it.
+        self._grows: str | None = None
 
     def __len__(self) -> int:
         return self._length
@@ -96,12 +100,23 @@ class AppendingEncoder:
         if not text:
             return
         self._length += len(text)
+        pre = self._pre
+        grows = self._grows
+        if (
+            grows is not None
+            and len(self._rest) + len(text) <= self._budget.long_piece
+            and pre.is_run_of(text, grows)
+            and not pre.special_last_chars.intersection(text)
+        ):
+            self._rest += text  # the last word grows
+            self._rest_tokens = self._budget.bpe.encode_piece(self._rest)
+            return
         run = self._run
         if (
             run is not None
             and not self._rest
-            and self._pre.run_length(text, 0, run.cls) == len(text)
-            and not any(ch in self._pre.special_last_chars for ch in text)
+            and pre.is_run_of(text, run.cls)
+            and not pre.special_last_chars.intersection(text)
         ):
             run.extend(text)  # the run piece just grows; no added token can complete
             return
@@ -111,14 +126,9 @@ class AppendingEncoder:
         run, pre, bpe = self._run, self._pre, self._budget.bpe
         stand_in = run.last if run is not None else ""
         local = stand_in + self._rest + text
-        pieces = pre.spans(local)
-        # The earliest position where an added token could still begin.
-        q = len(local)
-        for k in range(min(pre.max_special_len - 1, len(local)), 0, -1):
-            if local[-k:] in pre.special_prefixes:
-                q = len(local) - k
-                break
-        settle_before = min(len(local), q) - 2  # pieces ending at or before this are final
+        pieces = pre.spans_of(local)
+        # Pieces ending at or before this are final (see the module docstring).
+        settle_before = pre.special_start(local) - 2
         index = 0
         if run is not None:
             # The stand-in's first piece ends where the run's piece ends.
@@ -155,6 +165,20 @@ class AppendingEncoder:
         ``pieces[index:]``."""
         bpe = self._budget.bpe
         self._rest = local[start:]
-        self._rest_tokens = []
-        for s, e, special in pieces[index:]:
-            self._rest_tokens.extend([special] if special != NO_SPECIAL else bpe.encode_piece(local[s:e]))
+        if len(pieces) == index + 1 and pieces[index][2] == NO_SPECIAL:
+            self._rest_tokens = bpe.encode_piece(self._rest)
+        else:
+            rest_tokens: list[TokenId] = []
+            for s, e, special in pieces[index:]:
+                rest_tokens.extend([special] if special != NO_SPECIAL else bpe.encode_piece(local[s:e]))
+            self._rest_tokens = rest_tokens
+        self._grows = None
+        if self._run is None and len(pieces) == index + 1 and pieces[index][2] == NO_SPECIAL:
+            # One piece that is a run of one class (not a digit, not a contraction such as 's):
+            # characters of that class extend it.
+            piece = self._rest
+            char_class = self._pre.char_class
+            cls = char_class(piece[-1])
+            first = piece[1] if piece[0] == " " and len(piece) > 1 else piece[0]
+            if cls != "D" and char_class(first) == cls:
+                self._grows = cls

@@ -48,6 +48,10 @@ PIECE_PATTERN = (
     rf"|[{_S}]+(?![^{_S}{_D}])|[{_S}]+"
 )
 _PIECE_RE = re.compile(PIECE_PATTERN)
+# The same pattern for ASCII-only text, where the classes are small (and matching is faster).
+_ASCII_PIECE_RE = re.compile(
+    r"[0-9]|'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[^A-Za-z0-9\t-\r ]+|[\t-\r ]+(?![^\t-\r 0-9])|[\t-\r ]+"
+)
 # A boundary every scan has: a digit (before it), or whitespace that follows non-whitespace.
 _HARD_BOUNDARY_RE = re.compile(rf"[{_D}]|(?<=[^{_S}])[{_S}]")
 _CLASS_RES = {
@@ -76,6 +80,8 @@ class Pretokenizer:
         # Proper prefixes of added tokens: where text could still turn into an added token.
         self.special_prefixes = {s[:k] for s in ordered for k in range(1, len(s))}
         self.special_last_chars = frozenset(s[-1] for s in ordered)
+        first_chars = "".join(sorted({s[0] for s in ordered}))
+        self._special_first_re = re.compile(f"[{re.escape(first_chars)}]") if ordered else None
         # When no added token can overlap another (a proper suffix of one is never a prefix of
         # one), an occurrence found by a local search is the one the left-to-right split takes.
         self.specials_local = not any(
@@ -113,6 +119,28 @@ class Pretokenizer:
 
     def spans(self, text: str, start: int = 0, end: int | None = None) -> list[tuple[int, int, TokenId]]:
         return list(self.scan(text, start, end))
+
+    def spans_of(self, text: str) -> list[tuple[int, int, TokenId]]:
+        """The pieces of a short standalone text (a fast path for texts with no added token)."""
+        if self._special_re is not None and self._special_re.search(text):
+            return self.spans(text)
+        pattern = _ASCII_PIECE_RE if text.isascii() else _PIECE_RE
+        return [(m.start(), m.end(), NO_SPECIAL) for m in pattern.finditer(text)]
+
+    def is_run_of(self, text: str, cls: str) -> bool:
+        """Whether every character of ``text`` is of class ``cls``."""
+        if len(text) == 1:
+            return self.char_class(text) == cls
+        return self.run_length(text, 0, cls) == len(text)
+
+    def special_start(self, text: str) -> int:
+        """Where the longest suffix of ``text`` that is a proper prefix of an added token begins
+        (``len(text)`` if none): the earliest place an added token could still start."""
+        lo = max(0, len(text) - self.max_special_len + 1)
+        for m in self._special_first_re.finditer(text, lo) if self._special_first_re else ():
+            if text[m.start() :] in self.special_prefixes:
+                return m.start()
+        return len(text)
 
     def piece_end(self, text: str, pos: int, end: int) -> int:
         """End of the first piece of ``text[pos:end]`` (no added token may start inside it)."""
