@@ -50,3 +50,20 @@ def embedded_engine(embedded_transformers):
     drafting = DraftingConfig()
     cost = measure_cost_curve(loaded.forward, drafting.max_draft + 1, repeats=1)
     return Engine(loaded.forward, tokenizer, drafting, cost)
+
+
+@pytest.fixture(scope="session")
+def token_budget(embedded_tokenizer):
+    """TokenBudget over the embedded tokenizer, default settings."""
+    from tokenizer import TokenBudget
+
+    return TokenBudget(embedded_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def small_piece_budget(embedded_tokenizer):
+    """TokenBudget that treats every piece over 4 characters as long, so that short test texts
+    exercise the linear prefix/suffix/interval tables."""
+    from tokenizer import TokenBudget
+
+    return TokenBudget(embedded_tokenizer, long_piece=4)
