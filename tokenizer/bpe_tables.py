@@ -65,6 +65,7 @@ class PrefixEncoder:
                 k -= 1
             for tid in reversed(candidates):  # longest first
                 j = i - token_len[tid]
+                ok: bool | None
                 if j == 0:
                     ok = bpe.reachable(tid)
                 else:
@@ -124,6 +125,7 @@ class SuffixEncoder:
                 k += 1
             for tid in reversed(candidates):  # longest first
                 j = pos + token_len[tid]
+                ok: bool | None
                 if j == m:
                     ok = bpe.reachable(tid)
                 else:

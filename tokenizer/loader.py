@@ -60,7 +60,9 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[TokenId], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text = self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)
+        return text
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text the model's chat template makes of ``messages``."""

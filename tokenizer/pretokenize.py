@@ -172,9 +172,9 @@ class Pretokenizer:
             # The lookbehind cannot see before lo: a match at lo itself is not proven.
             found = [q for q in found if q > lo or lo == 0]
             for q in reversed(found):
-                q = self._outside_special(text, q)
-                if q is not None:
-                    return q
+                boundary = self._outside_special(text, q)
+                if boundary is not None:
+                    return boundary
             if lo == 0:
                 return 0
             pos, window = lo, window * 2
