@@ -79,6 +79,9 @@ class AppendingEncoder:
         self._length = 0
         # Class of the one unsettled piece when appending that class can only extend it.
         self._grows: str | None = None
+        self._long_piece = budget.long_piece
+        self._encode_piece = budget.bpe.encode_piece
+        self._special_last = self._pre.special_last_chars
 
     def __len__(self) -> int:
         return self._length
@@ -104,14 +107,22 @@ class AppendingEncoder:
         grows = self._grows
         if (
             grows is not None
-            and len(self._rest) + len(text) <= self._budget.long_piece
-            and pre.is_run_of(text, grows)
-            and not pre.special_last_chars.intersection(text)
+            and len(self._rest) + len(text) <= self._long_piece
+            and (pre.char_class(text) == grows if len(text) == 1 else pre.is_run_of(text, grows))
+            and self._special_last.isdisjoint(text)
         ):
             self._rest += text  # the last word grows
-            self._rest_tokens = self._budget.bpe.encode_piece(self._rest)
+            self._rest_tokens = self._encode_piece(self._rest)
             return
         run = self._run
+        if run is None and self._rest == " " and len(text) == 1 and text not in self._special_last:
+            cls = pre.char_class(text)
+            if cls == "L" or cls == "O":  # a space then a word: one piece, " ?\p{L}+"
+                self._rest = rest = " " + text
+                self._rest_tokens, self._grows = self._encode_piece(rest), cls
+                return
+        if run is None and self._plain_resplit(text):
+            return
         if (
             run is not None
             and not self._rest
@@ -121,6 +132,43 @@ class AppendingEncoder:
             run.extend(text)  # the run piece just grows; no added token can complete
             return
         self._resplit(text)
+
+    def _plain_resplit(self, text: str) -> bool:
+        """The common re-split: no run and no added token anywhere near. False if it does not
+        apply (then :meth:`_resplit` handles it)."""
+        local = self._rest + text
+        pre = self._pre
+        if not pre.plain(local):
+            return False
+        spans = pre.plain_spans(local)
+        # A piece depends on one character past its end; a whitespace piece on two, and so does
+        # a lone apostrophe (``'re`` could still form).
+        settle_before = min(len(local), pre.special_start(local)) - 1
+        encode_piece, settled = self._encode_piece, self._settled
+        index, count = 0, len(spans)
+        space = pre.is_space
+        while index < count:
+            last = local[spans[index][1] - 1]
+            if spans[index][1] > settle_before - (last == "'" or space(last)):
+                break
+            index += 1
+        if index < count and spans[index][1] - spans[index][0] > self._long_piece:
+            return False  # a long run begins the unsettled text: the general path makes it a run
+        for s, e in spans[:index]:
+            settled.extend(encode_piece(local[s:e]))
+        if index == count:
+            self._rest, self._rest_tokens, self._grows = "", (), None
+            return True
+        self._rest = rest = local[spans[index][0] :]
+        if index == count - 1:
+            self._rest_tokens = encode_piece(rest)
+            cls = pre.char_class(rest[-1])
+            first = rest[1] if rest[0] == " " and len(rest) > 1 else rest[0]
+            self._grows = cls if cls != "D" and pre.char_class(first) == cls else None
+        else:
+            self._rest_tokens = [t for a, b in spans[index:] for t in encode_piece(local[a:b])]
+            self._grows = None
+        return True
 
     def _resplit(self, text: str) -> None:
         run, pre, bpe = self._run, self._pre, self._budget.bpe

@@ -175,7 +175,7 @@ class TokenBudget:
         at ``end`` sees ``text[end:run_end]`` as its first piece (the chunking loop passes it
         back, so that a megabyte run is not rescanned once per chunk)."""
         pieces: Iterator[Piece] = self.pretokenizer.scan(text, start)
-        if run_end is not None and start < run_end:
+        if run_end is not None and start < run_end and text[start] != "'":  # see _shortest_suffix
             pieces = chain([(start, run_end, NO_SPECIAL)], self.pretokenizer.scan(text, run_end))
         total = 0  # tokens of the pieces before the current one
         recent: list[_Seen] = []  # the last pieces read
@@ -292,12 +292,19 @@ class TokenBudget:
                 elif e - s <= self.long_piece:
                     after[s] = after[e] + len(self.bpe.encode_piece(text[s:e]))
                 else:
-                    # A suffix starting inside a run is one piece up to the run's end.
+                    # A suffix starting inside a run is one piece up to the run's end, except
+                    # an apostrophe ending an "other" run: it may start a contraction ('s).
                     if after[e] > n:
                         return best, best_count
-                    fit, fit_count, whole = self._long_suffix(text, s, e, n - after[e])
+                    apostrophe = text[e - 1] == "'"
+                    fit, fit_count, whole = self._long_suffix(text, s, e, n - after[e], apostrophe)
+                    fit_count += after[e]
+                    if apostrophe and fit == e:
+                        count = self._suffix_count(text, e - 1, after)
+                        if count <= n:
+                            fit, fit_count = e - 1, count
                     if fit < best:
-                        best, best_count = fit, after[e] + fit_count
+                        best, best_count = fit, fit_count
                     if whole is None:
                         return best, best_count
                     after[s] = after[e] + whole
@@ -327,9 +334,10 @@ class TokenBudget:
                 return total + after[e]
         return total
 
-    def _long_suffix(self, text: str, s: int, e: int, budget: int) -> tuple[int, int, int | None]:
+    def _long_suffix(self, text: str, s: int, e: int, budget: int, skip_last: bool = False) -> tuple[int, int, int | None]:
         """Over the run piece ``text[s:e]``: (start, count) of its longest suffix with at most
-        ``budget`` tokens, and the piece's whole count, or None if the window rule stopped early."""
+        ``budget`` tokens (not counting the one-character suffix if ``skip_last``), and the
+        piece's whole count, or None if the window rule stopped early."""
         encoder = SuffixEncoder(self.bpe, self.bpe.model_bytes(text[s:e]))
         best_start, best_count = e, 0
         span = self.bpe.max_token_len
@@ -341,7 +349,7 @@ class TokenBudget:
             byte_lo = byte_pos - offsets[-1]
             encoder.extend_to(byte_lo)
             depth = encoder.depth
-            for k in range(len(offsets) - 2, -1, -1):
+            for k in range(len(offsets) - (3 if skip_last and pos == e else 2), -1, -1):
                 if depth[byte_lo + offsets[k]] <= budget:
                     best_start, best_count = lo + k, depth[byte_lo + offsets[k]]
             window = depth[byte_lo : byte_lo + span]

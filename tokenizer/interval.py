@@ -80,7 +80,9 @@ class IntervalCounter:
         # Head: from start to the first boundary of the full text that a re-split reaches.
         head, sync = 0, start
         if start != starts[first]:
-            if first in self._long:
+            # A run's suffix is one piece, unless an apostrophe ending an "other" run starts a
+            # contraction with what follows ('s): then re-split.
+            if first in self._long and self.text[start] != "'":
                 head, sync = self._long_count(first, start, ends[first]), ends[first]
             else:
                 head, sync = self._resplit(start, end)

@@ -16,11 +16,13 @@ classes come from :mod:`tokenizer.unicode_classes`.
 Facts the budgeting algorithms rely on (each is tested in ``tests/test_tokenizer_pretokenize.py``):
 
 - a regex match at position p depends on the text from p up to one character past the match
-  end, so a scan started at a true piece boundary reproduces the true pieces from there on, and
-  a scan of ``text[:i]`` agrees with the scan of ``text`` on every piece that ends before i - 1;
+  end, two for a whitespace run that ``\\s+(?!\\S)`` ended one character early; so a scan
+  started at a true piece boundary reproduces the true pieces from there on, and a scan of
+  ``text[:i]`` agrees with the scan of ``text`` on every piece that ends by i - 2;
 - a piece scanned on its own is that one piece; a piece of 4 or more characters is a run (letters
-  or "other", maybe after one space; or whitespace), and every suffix and prefix of a run is a
-  single piece when scanned on its own;
+  or "other", maybe after one space; or whitespace); every prefix of a run is one piece, and a
+  scan started inside a run has the rest of the run as its first piece, except at an apostrophe
+  that ends an "other" run, which can start a contraction (``'s``) with what follows;
 - boundaries that every scan has, wherever it started: before and after a digit, before a
   whitespace character that follows a non-whitespace one, and around an added token.
 """
@@ -80,8 +82,7 @@ class Pretokenizer:
         # Proper prefixes of added tokens: where text could still turn into an added token.
         self.special_prefixes = {s[:k] for s in ordered for k in range(1, len(s))}
         self.special_last_chars = frozenset(s[-1] for s in ordered)
-        first_chars = "".join(sorted({s[0] for s in ordered}))
-        self._special_first_re = re.compile(f"[{re.escape(first_chars)}]") if ordered else None
+        self._special_first_chars = sorted({s[0] for s in ordered})
         # When no added token can overlap another (a proper suffix of one is never a prefix of
         # one), an occurrence found by a local search is the one the left-to-right split takes.
         self.specials_local = not any(
@@ -127,6 +128,15 @@ class Pretokenizer:
         pattern = _ASCII_PIECE_RE if text.isascii() else _PIECE_RE
         return [(m.start(), m.end(), NO_SPECIAL) for m in pattern.finditer(text)]
 
+    def plain(self, text: str) -> bool:
+        """Whether ``text`` holds no added token (then :meth:`plain_spans` splits it)."""
+        return self._special_re is None or self._special_re.search(text) is None
+
+    def plain_spans(self, text: str) -> list[tuple[int, int]]:
+        """Piece spans of a short standalone text that holds no added token."""
+        pattern = _ASCII_PIECE_RE if text.isascii() else _PIECE_RE
+        return [m.span() for m in pattern.finditer(text)]
+
     def is_run_of(self, text: str, cls: str) -> bool:
         """Whether every character of ``text`` is of class ``cls``."""
         if len(text) == 1:
@@ -136,11 +146,15 @@ class Pretokenizer:
     def special_start(self, text: str) -> int:
         """Where the longest suffix of ``text`` that is a proper prefix of an added token begins
         (``len(text)`` if none): the earliest place an added token could still start."""
-        lo = max(0, len(text) - self.max_special_len + 1)
-        for m in self._special_first_re.finditer(text, lo) if self._special_first_re else ():
-            if text[m.start() :] in self.special_prefixes:
-                return m.start()
-        return len(text)
+        lo, best = max(0, len(text) - self.max_special_len + 1), len(text)
+        for first in self._special_first_chars:
+            p = text.find(first, lo)
+            while 0 <= p < best:
+                if text[p:] in self.special_prefixes:
+                    best = p
+                    break
+                p = text.find(first, p + 1)
+        return best
 
     def piece_end(self, text: str, pos: int, end: int) -> int:
         """End of the first piece of ``text[pos:end]`` (no added token may start inside it)."""
@@ -155,6 +169,9 @@ class Pretokenizer:
             cls = next(k for k, r in _CLASS_RES.items() if r.match(ch))
             self._class_cache[ch] = cls
         return cls
+
+    def is_space(self, ch: str) -> bool:
+        return self.char_class(ch) == "S"
 
     def run_length(self, text: str, pos: int, cls: str, end: int | None = None) -> int:
         """How many characters of class ``cls`` follow ``pos`` (up to ``end``)."""
