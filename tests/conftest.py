@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import server  # noqa: F401  (sets OMP_WAIT_POLICY before torch starts its thread pool)
+
 import importlib.util
 import os
 
@@ -67,3 +69,66 @@ def small_piece_budget(embedded_tokenizer):
     from tokenizer import TokenBudget
 
     return TokenBudget(embedded_tokenizer, long_piece=4)
+
+
+class RunningServer:
+    """A real uvicorn server on a loopback port, in a background thread."""
+
+    def __init__(self, app, port: int) -> None:
+        import threading
+
+        import uvicorn
+
+        self.app = app
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self, timeout: float = 120.0) -> "RunningServer":
+        import time
+
+        import httpx
+
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("server did not become healthy")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(engine, loaded_name: str = "SmolLM2-135M-Instruct", **server_settings) -> RunningServer:
+    """Serve ``engine`` (already loaded) through the real app on a free port."""
+    from server.app import create_app
+    from server.config import Config, ServerConfig
+    from server.engine.loader import LoadedModel
+
+    config = Config(server=ServerConfig(**server_settings))
+    forward = engine.forward
+    loaded = LoadedModel(forward=forward, tokenizer=engine.tokenizer, name=loaded_name, device=forward.device,
+                         dtype=forward.dtype, backend="native", context_window=forward.max_positions, load_seconds=0.0)
+    app = create_app(config, builder=lambda _config: (loaded, engine))
+    return RunningServer(app, free_port()).start()
+
+
+@pytest.fixture(scope="session")
+def http_server(embedded_engine):
+    running = start_server(embedded_engine)
+    yield running
+    running.stop()

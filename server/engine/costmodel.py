@@ -8,11 +8,14 @@ from typing import Any
 import torch
 
 
-def measure_cost_curve(forward: Any, max_tokens: int, context: int = 512, repeats: int = 3) -> list[float]:
-    """``cost[t]`` = median seconds of one pass feeding t tokens after ``context`` cached ones.
+def measure_cost_curve(forward: Any, max_tokens: int, context: int = 512, repeats: int = 5) -> list[float]:
+    """``cost[t]`` = seconds of one pass feeding t tokens after ``context`` cached ones.
 
     ``cost[0]`` is 0. Points are measured at 1, 2, 3, 4, 6, 8, 12, 16, ... and interpolated in
     between; the curve is made non-decreasing (a longer pass never costs less; noise aside).
+    Other work on the machine only ever adds time, so each point is the *minimum* of
+    ``repeats`` timings, taken round-robin over the points so that a burst of outside load
+    spoils one sample of several points rather than every sample of one.
     """
     context = max(1, min(context, forward.max_positions - max_tokens - 1))
     vocab = forward.vocab_size
@@ -21,19 +24,17 @@ def measure_cost_curve(forward: Any, max_tokens: int, context: int = 512, repeat
     cache = forward.new_cache(context + max_tokens)
     forward.forward([(cache, prompt, 1)])
     points = sorted({t for t in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if t <= max_tokens} | {max_tokens})
-    measured: dict[int, float] = {}
+    measured = {t: float("inf") for t in points}
     for _ in range(2):  # warm-up: first calls allocate
         forward.forward([(cache, prompt[:1], 1)])
         cache.crop(context)
-    for t in points:
-        tokens = prompt[:t] if t <= len(prompt) else (prompt * (t // len(prompt) + 1))[:t]
-        times = []
-        for _ in range(repeats):
+    for _ in range(repeats):
+        for t in points:
+            tokens = (prompt * (t // len(prompt) + 1))[:t]
             begin = time.perf_counter()
             forward.forward([(cache, tokens, t)])
-            times.append(time.perf_counter() - begin)
+            measured[t] = min(measured[t], time.perf_counter() - begin)
             cache.crop(context)
-        measured[t] = sorted(times)[len(times) // 2]
     cost = [0.0] * (max_tokens + 1)
     for left, right in zip(points, points[1:]):
         for t in range(left, right + 1):

@@ -1,0 +1,1 @@
+"""HTTP routers: system (health, metrics), OpenAI-compatible API, task APIs."""

@@ -1,0 +1,231 @@
+"""What every generating route shares: model check, budgets, submission, collection, usage."""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from server.app import ServerState
+from server.engine.engine import GenerationRequest, SpeculationParams, StepOutput, TokenLogprob
+from server.engine.loader import LoadedModel
+from server.engine.scheduler import EngineError, QueueFull, RequestHandle, Scheduler
+from server.errors import APIError
+from server.schemas import SpeculationOptions
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.parrot  # type: ignore[no-any-return]
+
+
+def check_model(loaded: LoadedModel, requested: str | None) -> None:
+    if requested is None or requested in (loaded.name, "parrot", "default"):
+        return
+    raise APIError(
+        404,
+        f"The model '{requested}' does not exist; this server serves '{loaded.name}'",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def check_context(loaded: LoadedModel, prompt_tokens: int, max_tokens: int | None, param: str) -> int:
+    """The completion budget: ``max_tokens``, or all the room left; 400 with exact counts if none."""
+    window = loaded.context_window
+    if max_tokens is None:
+        if prompt_tokens >= window:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {window} tokens. However, your {param} has "
+                f"{prompt_tokens} tokens, which leaves no room for a completion. Please reduce the length of the {param}.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return window - prompt_tokens
+    if prompt_tokens + max_tokens > window:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {window} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {param}, {max_tokens} in the completion). "
+            f"Please reduce the length of the {param} or completion.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def speculation_params(options: SpeculationOptions | None) -> SpeculationParams:
+    if options is None:
+        return SpeculationParams()
+    return SpeculationParams(enabled=options.enabled, max_draft=options.max_draft)
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    handle: RequestHandle | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def submit_all(scheduler: Scheduler, requests: list[GenerationRequest], tag: str) -> list[RequestHandle]:
+    handles: list[RequestHandle] = []
+    try:
+        for r in requests:
+            handles.append(scheduler.submit(r, tag))
+    except QueueFull:
+        for h in handles:
+            h.cancel()
+        raise APIError(
+            429,
+            f"the server is at capacity ({scheduler.max_queue} requests waiting); retry shortly",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        ) from None
+    return handles
+
+
+async def _watch_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+async def collect(state: ServerState, http: Request, requests: list[GenerationRequest], tag: str) -> list[Choice]:
+    """Run requests to the end; cancel them if the client leaves or the timeout passes."""
+    _, scheduler = state.require_ready()
+    handles = submit_all(scheduler, requests, tag)
+    choices = [Choice(index=i, handle=h) for i, h in enumerate(handles)]
+
+    async def drain(choice: Choice) -> None:
+        assert choice.handle is not None
+        async for out in choice.handle.events():
+            add_output(choice, out)
+
+    work = asyncio.ensure_future(asyncio.gather(*(drain(c) for c in choices)))
+    watcher = asyncio.ensure_future(_watch_disconnect(http))
+    try:
+        done, _ = await asyncio.wait(
+            {work, watcher}, timeout=state.config.server.request_timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if work in done:
+            work.result()  # raises EngineError if generation failed
+            return choices
+        if watcher in done:  # the client left: nobody reads this answer
+            raise APIError(499, "client closed the request", code="client_closed_request")
+        raise APIError(504, f"generation timed out after {state.config.server.request_timeout_s:g} s", code="timeout")
+    except EngineError as exc:
+        raise _engine_error(exc) from None
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+        for h in handles:
+            h.cancel()  # no-op for finished requests; frees the KV cache of the others
+
+
+def _engine_error(exc: EngineError) -> APIError:
+    message = str(exc)
+    if "context window" in message:
+        return APIError(400, message, code="context_length_exceeded")
+    return APIError(500, message)
+
+
+async def stream_outputs(
+    state: ServerState, requests: list[GenerationRequest], tag: str
+) -> tuple[list[Choice], AsyncIterator[tuple[Choice, StepOutput]]]:
+    """Submit now (so queue-full is a 429 before any byte is sent), then iterate outputs as they come."""
+    _, scheduler = state.require_ready()
+    handles = submit_all(scheduler, requests, tag)
+    choices = [Choice(index=i, handle=h) for i, h in enumerate(handles)]
+
+    async def iterate() -> AsyncIterator[tuple[Choice, StepOutput]]:
+        merged: asyncio.Queue[tuple[Choice, StepOutput | None | EngineError]] = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            assert choice.handle is not None
+            try:
+                async for out in choice.handle.events():
+                    await merged.put((choice, out))
+                await merged.put((choice, None))
+            except EngineError as exc:
+                await merged.put((choice, exc))
+
+        pumps = [asyncio.ensure_future(pump(c)) for c in choices]
+        deadline = time.monotonic() + state.config.server.request_timeout_s
+        remaining = len(choices)
+        try:
+            while remaining:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    raise APIError(504, f"generation timed out after {state.config.server.request_timeout_s:g} s", code="timeout")
+                try:
+                    choice, item = await asyncio.wait_for(merged.get(), timeout)
+                except asyncio.TimeoutError:
+                    continue
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, EngineError):
+                    raise _engine_error(item)
+                add_output(choice, item)
+                yield choice, item
+        finally:
+            for p in pumps:
+                p.cancel()
+            for h in handles:
+                h.cancel()
+
+    return choices, iterate()
+
+
+def add_output(choice: Choice, out: StepOutput) -> None:
+    choice.text += out.text
+    choice.token_ids.extend(out.token_ids)
+    if out.logprobs:
+        choice.logprobs.extend(out.logprobs)
+    if out.finished:
+        generation = choice.handle.generation if choice.handle else None
+        reason = generation.finish_reason if generation is not None else "stop"
+        choice.finish_reason = reason if reason in ("stop", "length") else "stop"
+
+
+def usage(prompt_tokens: int, choices: list[Choice], prediction_ids: list[int] | None) -> dict[str, Any]:
+    completion = sum(len(c.token_ids) for c in choices)
+    spec = {"forward_passes": 0, "drafted_tokens": 0, "accepted_tokens": 0}
+    for c in choices:
+        generation = c.handle.generation if c.handle else None
+        if generation is not None:
+            spec["forward_passes"] += generation.stats.forward_passes
+            spec["drafted_tokens"] += generation.stats.drafted_tokens
+            spec["accepted_tokens"] += generation.stats.accepted_tokens
+    body: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+    if prediction_ids is not None:
+        accepted = sum(prediction_overlap(prediction_ids, c.token_ids) for c in choices)
+        body["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": len(prediction_ids) * len(choices) - accepted,
+        }
+    body["speculation"] = spec
+    return body
+
+
+def prediction_overlap(prediction: list[int], completion: list[int]) -> int:
+    """Prediction tokens that appear in the completion, in order (OpenAI's accepted prediction tokens)."""
+    matcher = difflib.SequenceMatcher(None, prediction, completion, autojunk=False)
+    return sum(block.size for block in matcher.get_matching_blocks())

@@ -1,0 +1,201 @@
+"""Request schemas (pydantic v2) of the OpenAI-compatible and task endpoints.
+
+Unknown fields are rejected (``extra="forbid"``): a parameter Parrot does not know gets a 400
+that names it, never silent ignoring. OpenAI parameters Parrot knows but does not implement are
+accepted by the schema only to be rejected by ``unsupported()`` with a clearer message, unless
+they carry their neutral value (``presence_penalty: 0``, ``tools: []``, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from server.errors import APIError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SpeculationOptions(_Strict):
+    """Parrot extension: per-request control of speculative decoding."""
+
+    enabled: bool = True
+    max_draft: int | None = Field(default=None, ge=0, le=64)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(_Strict):
+    """OpenAI Predicted Outputs: text the output is expected to resemble (drafting context)."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+# OpenAI parameters Parrot does not implement, with the value that means "not used".
+_NEUTRAL: dict[str, Any] = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": {},
+    "tools": [],
+    "tool_choice": "none",
+    "functions": [],
+    "function_call": "none",
+    "parallel_tool_calls": None,
+    "audio": None,
+    "modalities": ["text"],
+    "reasoning_effort": None,
+    "web_search_options": None,
+    "store": False,
+    "echo": False,
+    "suffix": None,
+    "service_tier": None,
+}
+
+
+class _GenerationFields(_Strict):
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    ignore_eos: bool = False
+    speculation: SpeculationOptions | None = None
+    prediction: Prediction | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    # Structured output (grammar-constrained decoding).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Known OpenAI parameters that Parrot does not implement (see _NEUTRAL).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    service_tier: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return value
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def unsupported(self) -> None:
+        """Reject OpenAI parameters Parrot does not implement when they would change the output."""
+        for name, neutral in _NEUTRAL.items():
+            value = getattr(self, name, None)
+            if value is None or value == neutral or (isinstance(value, (list, dict)) and not value):
+                continue
+            raise APIError(400, f"Parrot does not support '{name}'", param=name, code="unsupported_parameter")
+
+
+class CompletionRequest(_GenerationFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "Parrot does not support 'best_of' other than n", param="best_of", code="unsupported_parameter")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: a string, token ids, or a batch of either."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: Any = None
+    store: bool | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs", code="invalid_value")
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for "system"; chat templates know "system".
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class SummarizeRequest(_Strict):
+    text: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    style: Literal["sentences", "bullets"] = "sentences"
+    max_input_tokens: int | None = Field(default=None, ge=1)
+    model: str | None = None
+    speculation: SpeculationOptions | None = None
+
+
+class CorrectRequest(_Strict):
+    text: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    model: str | None = None
+    speculation: SpeculationOptions | None = None
