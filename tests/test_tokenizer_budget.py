@@ -194,3 +194,11 @@ def test_chat_messages_count_as_the_rendered_prompt_encodes(token_budget, embedd
         expected = len(embedded_tokenizer.encode_chat(messages, add_generation_prompt))
         assert token_budget.count_chat(messages, add_generation_prompt) == expected
     assert embedded_tokenizer.budget.count("hi") == 1  # the tokenizer's own shared budget
+
+
+def test_budget_hands_out_interval_counters_and_appending_encoders(token_budget, embedded_tokenizer):
+    text = "Count me, then append: 12 apples."
+    assert token_budget.interval_counter(text).count(6, 20) == n_tokens(embedded_tokenizer, text[6:20])
+    encoder = token_budget.appending_encoder()
+    encoder.append(text)
+    assert encoder.tokens == embedded_tokenizer.encode(text) and len(encoder) == len(text)

@@ -27,12 +27,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Iterator, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterator, Literal, NamedTuple
 
 from tokenizer.bpe import ByteLevelBPE, TokenId
 from tokenizer.bpe_tables import PrefixEncoder, SuffixEncoder
 from tokenizer.loader import Tokenizer
 from tokenizer.pretokenize import MIN_RUN, NO_SPECIAL, Pretokenizer
+
+if TYPE_CHECKING:
+    from tokenizer.appending import AppendingEncoder
+    from tokenizer.interval import IntervalCounter
 
 Side = Literal["left", "right"]
 Piece = tuple[int, int, TokenId]
@@ -130,6 +134,18 @@ class TokenBudget:
     def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int:
         """Tokens of the prompt the chat template makes of ``messages`` (as ``encode_chat``)."""
         return self.count(self.tokenizer.render_chat(messages, add_generation_prompt))
+
+    def interval_counter(self, text: str) -> IntervalCounter:
+        """An :class:`~tokenizer.interval.IntervalCounter` over ``text`` (one linear pass)."""
+        from tokenizer.interval import IntervalCounter
+
+        return IntervalCounter(self, text)
+
+    def appending_encoder(self) -> AppendingEncoder:
+        """An empty :class:`~tokenizer.appending.AppendingEncoder`."""
+        from tokenizer.appending import AppendingEncoder
+
+        return AppendingEncoder(self)
 
     def lost_characters(self, text: str) -> list[int]:
         """Offsets of characters the model does not see as written (bytes without a token)."""
