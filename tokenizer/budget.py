@@ -82,8 +82,9 @@ class Truncation:
 
 
 class TokenBudget:
-    """Exact budgeting operations for one tokenizer; build once, use from any number of requests
-    (one thread at a time: the piece cache is a plain dict)."""
+    """Exact budgeting operations for one tokenizer; build once (about a second) and share it
+    between requests and threads: its caches are dicts that are only filled (or cleared) with
+    values that do not depend on who computed them."""
 
     def __init__(self, tokenizer: Tokenizer, long_piece: int = 64) -> None:
         """``long_piece``: pieces longer than this many characters use the linear tables (tests
