@@ -82,15 +82,16 @@ class AppendingEncoder:
         self._long_piece = budget.long_piece
         self._encode_piece = budget.bpe.encode_piece
         self._special_last = self._pre.special_last_chars
+        self._classes = self._pre.char_classes
 
     def __len__(self) -> int:
         return self._length
 
     @property
     def count(self) -> int:
-        run = self._run
-        run_count = run.encoder.count() if run else 0
-        return len(self._settled) + run_count + len(self._rest_tokens)
+        if self._run is None:
+            return len(self._settled) + len(self._rest_tokens)
+        return len(self._settled) + self._run.encoder.count() + len(self._rest_tokens)
 
     @property
     def tokens(self) -> list[TokenId]:
@@ -105,15 +106,15 @@ class AppendingEncoder:
         self._length += len(text)
         pre = self._pre
         grows = self._grows
-        if (
-            grows is not None
-            and len(self._rest) + len(text) <= self._long_piece
-            and (pre.char_class(text) == grows if len(text) == 1 else pre.is_run_of(text, grows))
-            and self._special_last.isdisjoint(text)
-        ):
-            self._rest += text  # the last word grows
-            self._rest_tokens = self._encode_piece(self._rest)
-            return
+        if grows is not None and len(self._rest) + len(text) <= self._long_piece:
+            if len(text) == 1:
+                same = (self._classes.get(text) or pre.char_class(text)) == grows and text not in self._special_last
+            else:
+                same = pre.is_run_of(text, grows) and self._special_last.isdisjoint(text)
+            if same:
+                self._rest = rest = self._rest + text  # the last word grows
+                self._rest_tokens = self._encode_piece(rest)
+                return
         run = self._run
         if run is None and self._rest == " " and len(text) == 1 and text not in self._special_last:
             cls = pre.char_class(text)

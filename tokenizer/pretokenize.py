@@ -88,7 +88,7 @@ class Pretokenizer:
         self.specials_local = not any(
             t.startswith(s[k:]) for s in ordered for t in ordered for k in range(1, len(s))
         )
-        self._class_cache: dict[str, str] = {}
+        self.char_classes: dict[str, str] = {}  # cache of char_class (read it, do not write)
 
     def scan(self, text: str, start: int = 0, end: int | None = None) -> Iterator[tuple[int, int, TokenId]]:
         """The pieces of ``text[start:end]``, lazily, in order (``start`` must be a true boundary
@@ -164,10 +164,10 @@ class Pretokenizer:
 
     def char_class(self, ch: str) -> str:
         """"L", "D", "S" or "O" for one character."""
-        cls = self._class_cache.get(ch)
+        cls = self.char_classes.get(ch)
         if cls is None:
             cls = next(k for k, r in _CLASS_RES.items() if r.match(ch))
-            self._class_cache[ch] = cls
+            self.char_classes[ch] = cls
         return cls
 
     def is_space(self, ch: str) -> bool:
