@@ -37,3 +37,22 @@ bench-drafter: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+
+# -- Load test, dashboard browser test, Dockerfile lint --------------------------------------------
+# `make loadtest` drives a running server (start it with `make serve`) with a concurrency sweep,
+# speculation on and off; results go to loadtests/results/load.{json,md} and load_*.png.
+URL           ?= http://127.0.0.1:8000
+LOADTEST_ARGS ?= --concurrency 1,2,4,8 --compare --requests 16 --duration 60 --max-tokens 64
+.PHONY: loadtest browser
+test: browser
+
+loadtest: install
+	$(PY) -m loadtests.load --url $(URL) $(LOADTEST_ARGS)
+
+# Debian's chromium for tests/test_dashboard_browser.py: installed when missing and apt-get can run
+# as root; elsewhere the browser test is skipped (and says so).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
+	  && echo "[browser] installing Debian's chromium for the dashboard test" \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	  || echo "[browser] chromium is not installed: the dashboard browser test will be skipped"

@@ -20,6 +20,7 @@ from server.engine.loader import LoadedModel
 from server.engine.scheduler import Scheduler
 from server.errors import APIError, install_error_handlers
 from server.metrics import Metrics
+from server.stats import Observers, StatsCollector
 
 log = logging.getLogger("parrot.http")
 
@@ -32,6 +33,7 @@ class ServerState:
 
     config: Config
     metrics: Metrics = field(default_factory=Metrics)
+    stats: StatsCollector = field(default_factory=StatsCollector)
     loaded: LoadedModel | None = None
     engine: Engine | None = None
     scheduler: Scheduler | None = None
@@ -108,7 +110,8 @@ def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
             log.exception("model failed to load")
             state.load_error = str(exc)
             return
-        scheduler = Scheduler(engine, config.server.max_running, config.server.max_queue, state.metrics)
+        observers = Observers(state.metrics, state.stats)
+        scheduler = Scheduler(engine, config.server.max_running, config.server.max_queue, observers)
         state.loaded, state.engine, state.scheduler = loaded, engine, scheduler
         state.metrics.model_loaded.set(1)
         log.info("ready: serving %s", loaded.name)
@@ -128,11 +131,12 @@ def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
     app.state.parrot = state
     install_error_handlers(app)
 
-    from server.routes import openai_api, system, tasks
+    from server.routes import dashboard, openai_api, system, tasks
 
     app.include_router(system.router)
     app.include_router(openai_api.router)
     app.include_router(tasks.router)
+    app.include_router(dashboard.router)
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next: Any) -> Any:
