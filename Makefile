@@ -40,9 +40,10 @@ clean:
 
 # -- Load test, dashboard browser test, Dockerfile lint --------------------------------------------
 # `make loadtest` drives a running server (start it with `make serve`) with a concurrency sweep,
-# speculation on and off; results go to loadtests/results/load.{json,md} and load_*.png.
+# speculation on and off, the same 16 prompts per run (the duration is only a cap, so that on and
+# off compare the same work); results go to loadtests/results/load.{json,md} and load_*.png.
 URL           ?= http://127.0.0.1:8000
-LOADTEST_ARGS ?= --concurrency 1,2,4,8 --compare --requests 16 --duration 60 --max-tokens 64
+LOADTEST_ARGS ?= --concurrency 1,2,4,8 --compare --requests 16 --duration 300 --max-tokens 64
 .PHONY: loadtest browser
 test: browser
 

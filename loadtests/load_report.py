@@ -78,9 +78,10 @@ def _ms(v: float | None) -> str:
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    """Markdown: one row per run, latencies as p50 / p90 / p99."""
+    """Markdown: one row per run, latencies as p50 / p90 / p99; "load avg" is the machine's 1-minute
+    load average as the run started (other work on a shared machine shows there)."""
     head = ("| speculation | load | ok | err | timeout | req/s | out tok/s | TTFT s p50 / p90 / p99 | ITL ms p50 / p90 / p99 "
-            "| TPOT ms p50 / p90 / p99 | e2e s p50 / p90 / p99 | tok/pass |")
+            "| TPOT ms p50 / p90 / p99 | e2e s p50 / p90 / p99 | tok/pass | load avg |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for run in runs:
         s = run["summary"]
@@ -91,7 +92,8 @@ def table(runs: list[dict[str, Any]]) -> str:
             f"| {' / '.join(_ms(s['itl_s'][p]) for p in ('p50', 'p90', 'p99'))} "
             f"| {' / '.join(_ms(s['tpot_s'][p]) for p in ('p50', 'p90', 'p99'))} "
             f"| {' / '.join(_s(s['e2e_s'][p]) for p in ('p50', 'p90', 'p99'))} "
-            f"| {'-' if s['tokens_per_pass'] is None else format(s['tokens_per_pass'], '.2f')} |"
+            f"| {'-' if s['tokens_per_pass'] is None else format(s['tokens_per_pass'], '.2f')} "
+            f"| {'-' if run.get('loadavg_before') is None else format(run['loadavg_before'], '.2f')} |"
         )
     return "\n".join(lines)
 

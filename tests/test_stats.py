@@ -251,7 +251,7 @@ def test_load_generator_records_every_request_and_agrees_with_server_stats(stats
     assert after["output_tokens"] - before["output_tokens"] == sum(q["completion_tokens"] for q in requests)
     assert after["drafted_tokens"] - before["drafted_tokens"] == sum(q["speculation"]["drafted_tokens"] for q in requests)
     # Outputs: the table, every request in the JSON, the plots.
-    assert "| on | c=1 | 2 | 0 | 0 |" in text and "speed-up" in text
+    assert "| on | c=1 | 2 | 0 | 0 |" in text and "load avg" in text and "speed-up" in text
     saved = json.loads((tmp_path / "load.json").read_text())
     assert sum(len(r["requests"]) for r in saved["runs"]) == 8
     for png in ("load_cdf.png", "load_sweep.png"):
