@@ -1,4 +1,11 @@
-"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions."""
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
+
+``truncate_prompt_tokens`` (vLLM's semantics: keep the last k prompt tokens) is reported by a
+top-level ``truncation`` object, named and shaped like /v1/summarize's but counted in tokens:
+``{"truncated", "side": "left", "original_tokens", "kept_tokens"}`` (for a batch of prompts, sums
+over the prompts; ``kept_tokens`` equals ``usage.prompt_tokens``). It is present whenever the
+request set ``truncate_prompt_tokens``: in the response, or in the usage chunk of a stream.
+"""
 
 from __future__ import annotations
 
@@ -90,6 +97,14 @@ def _truncate(ids: list[int], req: _GenerationFields) -> list[int]:
     return ids[-k:] if k is not None and len(ids) > k else ids
 
 
+def _truncation(req: _GenerationFields, original_tokens: int, kept_tokens: int) -> dict[str, Any]:
+    """``{"truncation": ...}`` when the request set ``truncate_prompt_tokens``, else nothing."""
+    if req.truncate_prompt_tokens is None:
+        return {}
+    return {"truncation": {"truncated": kept_tokens < original_tokens, "side": "left",
+                           "original_tokens": original_tokens, "kept_tokens": kept_tokens}}
+
+
 # -- token strings for logprobs ---------------------------------------------------------------
 
 
@@ -145,6 +160,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     _prepare(body, loaded)
     tokenizer = loaded.tokenizer
     prompts: list[list[int]] = []
+    original_tokens = 0
     for p in body.prompts():
         if isinstance(p, str):
             ids = tokenizer.encode(p)
@@ -154,6 +170,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
                 raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{loaded.forward.vocab_size - 1})",
                                param="prompt", code="invalid_value")
             ids = list(p)
+        original_tokens += len(ids)
         ids = _truncate(ids, body)
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
@@ -167,6 +184,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
         for _ in range(body.n):
             requests.append(GenerationRequest(ids, params, spec, [prediction] if prediction else []))
     prompt_tokens = sum(len(ids) for ids in prompts)
+    truncation = _truncation(body, original_tokens, prompt_tokens)
     response_id, created = new_id("cmpl"), int(time.time())
 
     def choice_body(c: Choice) -> dict[str, Any]:
@@ -188,6 +206,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
                 "model": loaded.name,
                 "choices": [choice_body(c) for c in choices],
                 "usage": usage(prompt_tokens, choices, prediction),
+                **truncation,
             }
         )
 
@@ -208,7 +227,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
         if body.stream_options is not None and body.stream_options.include_usage:
             _count_prediction(state, prediction, choices)
             yield _sse({"id": response_id, "object": "text_completion", "created": created, "model": loaded.name,
-                        "choices": [], "usage": usage(prompt_tokens, choices, prediction)})
+                        "choices": [], "usage": usage(prompt_tokens, choices, prediction), **truncation})
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(_guard(events()), media_type="text/event-stream")
@@ -228,7 +247,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     except Exception as exc:  # the template raised: say what it said
         raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages",
                        code="invalid_value") from None
+    original_tokens = len(ids)
     ids = _truncate(ids, body)
+    truncation = _truncation(body, original_tokens, len(ids))
     max_tokens = check_context(loaded, len(ids), body.token_limit(), "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs, tokenizer)
@@ -256,6 +277,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
                     for c in choices
                 ],
                 "usage": usage(len(ids), choices, prediction),
+                **truncation,
             }
         )
 
@@ -281,7 +303,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
             }])
         if body.stream_options is not None and body.stream_options.include_usage:
             _count_prediction(state, prediction, choices)
-            yield chunk([], usage=usage(len(ids), choices, prediction))
+            yield chunk([], usage=usage(len(ids), choices, prediction), **truncation)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(_guard(events()), media_type="text/event-stream")
