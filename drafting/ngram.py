@@ -140,7 +140,8 @@ class NGramDrafter:
         self.model.update(new)
         self._live.extend(new)
 
-    def propose(self, max_len: int) -> list[TokenId]:
-        if max_len <= 0 or not self._live:
+    def propose(self, max_len: int, after: Sequence[TokenId] = ()) -> list[TokenId]:
+        if max_len <= 0 or not (self._live or after):
             return []
-        return self.model.suggest(self._live, self.threshold, max_len)
+        context = self._live[-self.model.n :] + list(after) if after else self._live
+        return self.model.suggest(context, self.threshold, max_len)

@@ -109,11 +109,12 @@ class SuffixDrafter:
         else:
             self._follow = None
 
-    def _lookup(self) -> tuple[int, int, int] | None:
+    def _lookup(self, after: Sequence[TokenId] = ()) -> tuple[int, int, int] | None:
         """(source, continuation start, match length) of the longest most-preferred match."""
         live = self._sources[_LIVE]
-        for n in range(min(self.max_n, len(live)), self.min_n - 1, -1):
-            key = tuple(live[-n:])
+        tail = live[-self.max_n :] + list(after) if after else live
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            key = tuple(tail[-n:])
             hit = self._context_index.get(key)
             if hit is not None:
                 return hit[0], hit[1], n
@@ -122,10 +123,22 @@ class SuffixDrafter:
                 return _LIVE, pos, n
         return None
 
-    def propose(self, max_len: int) -> list[TokenId]:
-        """Up to ``max_len`` tokens that followed the best match; ``[]`` when there is none."""
+    def propose(self, max_len: int, after: Sequence[TokenId] = ()) -> list[TokenId]:
+        """Up to ``max_len`` tokens that followed the best match; ``[]`` when there is none.
+
+        ``after``: tokens that will certainly follow the sequence (a grammar's forced tokens);
+        the proposal continues after them. Such a lookup does not start following a match.
+        """
         if max_len <= 0:
             return []
+        if after:
+            self._follow = None
+            match = self._lookup(after)
+            self.last_match_length = match[2] if match else 0
+            if match is None:
+                return []
+            draft = self._sources[match[0]][match[1] : match[1] + max_len]
+            return _cut_after_stop(draft, self.stop_token_ids)
         candidates = [m for m in (self._follow, self._lookup()) if m is not None]
         # Rule 3: the followed run wins unless a fresh lookup found a strictly longer match.
         candidates.sort(key=lambda m: -m[2])

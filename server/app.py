@@ -39,6 +39,18 @@ class ServerState:
     scheduler: Scheduler | None = None
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
+    _grammar: Any = None
+    _grammar_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def grammar_compiler(self) -> Any:
+        """The GrammarCompiler for the served tokenizer (built on first use: about 1 s)."""
+        from tokenizer.grammar import GrammarCompiler
+
+        with self._grammar_lock:
+            if self._grammar is None:
+                loaded, _ = self.require_ready()
+                self._grammar = GrammarCompiler(loaded.tokenizer)
+            return self._grammar
 
     @property
     def ready(self) -> bool:

@@ -70,6 +70,7 @@ class Metrics:
         self.drafted.inc(s.drafted_tokens)
         self.accepted.inc(s.accepted_tokens)
         self.forward_passes.inc(s.forward_passes)
+        self.forced.inc(s.forced_tokens)
 
     def on_queue(self, waiting: int, running: int) -> None:
         self.waiting.set(waiting)

@@ -24,6 +24,7 @@ class SpeculationOptions(_Strict):
 
     enabled: bool = True
     max_draft: int | None = Field(default=None, ge=0, le=64)
+    fast_forward: bool = True
 
 
 class StreamOptions(_Strict):
@@ -104,6 +105,33 @@ class _GenerationFields(_Strict):
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty")
         return value
+
+    def constraint(self) -> tuple[str, str, Any] | None:
+        """(parameter, kind, spec) of the one output constraint, if any: json_schema, regex, choice, lark."""
+        found: list[tuple[str, str, Any]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("response_format", "json_schema", {"type": "object"}))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise APIError(400, "response_format json_schema needs {'json_schema': {'name', 'schema'}}",
+                                   param="response_format", code="invalid_value")
+                found.append(("response_format", "json_schema", spec["schema"]))
+            elif kind != "text":
+                raise APIError(400, f"response_format type must be text, json_object or json_schema, not {kind!r}",
+                               param="response_format", code="invalid_value")
+        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "lark")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, kind, value))
+        if len(found) > 1:
+            raise APIError(400, f"give one output constraint, not {len(found)} ({', '.join(f[0] for f in found)})",
+                           param=found[1][0], code="invalid_value")
+        return found[0] if found else None
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

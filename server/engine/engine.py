@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from drafting import AcceptanceStats, DraftLengthPolicy, NGramDrafter, SuffixDrafter, match_bucket
@@ -29,6 +30,7 @@ from server.config import DraftingConfig
 from server.engine.sampling import Sampler, SamplingParams
 from server.engine.textout import TextAssembler
 from tokenizer import Tokenizer
+from tokenizer.grammar import Grammar
 
 TokenId = int
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -40,6 +42,7 @@ class SpeculationParams:
 
     enabled: bool = True
     max_draft: int | None = None  # None: the server's drafting.max_draft
+    fast_forward: bool = True  # force the tokens a grammar leaves no choice about
 
 
 @dataclass
@@ -50,6 +53,8 @@ class GenerationRequest:
     # Extra drafting context, indexed by the drafter but never fed to the model (source
     # documents, OpenAI Predicted Outputs), as token ids.
     draft_context: list[list[TokenId]] = field(default_factory=list)
+    # Grammar state of this request (constrained decoding), or None.
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -77,6 +82,7 @@ class SequenceStats:
     prefill_chunks: int = 0  # earlier passes over a long prompt that produced nothing yet
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    forced_tokens: int = 0  # grammar fast-forward tokens (never verified: the grammar allows nothing else)
     started_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -93,10 +99,12 @@ class SequenceStats:
 
 @dataclass
 class _Plan:
-    tokens: list[TokenId]  # fed to the model this step
+    tokens: list[TokenId]  # fed to the model this step: pending + forced + draft
     num_logits: int  # logits needed (0 while prefilling)
     draft: list[TokenId]
     bucket: int
+    forced: list[TokenId] = field(default_factory=list)
+    masks: list[bytes] | None = None  # grammar bitmask at each verified position
 
 
 class Generation:
@@ -118,6 +126,7 @@ class Generation:
         self.acceptance = AcceptanceStats()
         self.stats = SequenceStats(prompt_tokens=len(request.prompt_ids), started_at=time.perf_counter())
         self.finish_reason: FinishReason | None = None
+        self.grammar = request.grammar
         spec = request.speculation
         self.max_draft = 0 if not (spec.enabled and engine.drafting.enabled) else min(
             engine.max_draft, spec.max_draft if spec.max_draft is not None else engine.max_draft
@@ -143,6 +152,7 @@ class Generation:
         # Free the KV cache now; the sequence object may outlive the request's bookkeeping.
         self.cache = None  # type: ignore[assignment]
         self.drafter = None
+        self.grammar = None
 
 
 @dataclass
@@ -152,6 +162,15 @@ class GenerationResult:
     finish_reason: FinishReason
     stats: SequenceStats
     logprobs: list[TokenLogprob] | None
+
+
+def _unpack_masks(masks: list[bytes], width: int) -> torch.Tensor:
+    """Grammar bitmasks (bit i of byte i // 8 = token i) as a bool tensor ``[len(masks), width]``."""
+    bits = np.unpackbits(np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(masks), -1), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, :width].astype(np.bool_))
+    if allowed.shape[1] < width:  # logits wider than the tokenizer's vocabulary: padding ids
+        allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]), value=False)
+    return allowed
 
 
 class Engine:
@@ -210,15 +229,25 @@ class Engine:
     def _plan(self, seq: Generation) -> _Plan:
         if len(seq.pending) > self.prefill_chunk:
             return _Plan(seq.pending[: self.prefill_chunk], 0, [], 0)
-        draft, bucket = self._draft(seq)
-        return _Plan(seq.pending + draft, 1 + len(draft), draft, bucket)
+        room = seq.params.max_tokens - len(seq.output_ids)
+        forced: list[TokenId] = []
+        if seq.grammar is not None:
+            # Forced tokens are certain: the grammar state moves past them now.
+            forced = seq.grammar.forced_tokens()[:room] if seq.request.speculation.fast_forward else []
+            seq.grammar.consume(forced)
+        draft, bucket = self._draft(seq, forced, room - len(forced) - 1)
+        masks = None
+        if seq.grammar is not None:
+            draft = draft[: seq.grammar.validate(draft)]  # the longest prefix the grammar allows
+            masks = seq.grammar.masks(draft)
+        return _Plan(seq.pending + forced + draft, len(forced) + 1 + len(draft), draft, bucket, forced, masks)
 
-    def _draft(self, seq: Generation) -> tuple[list[TokenId], int]:
+    def _draft(self, seq: Generation, forced: list[TokenId], budget: int) -> tuple[list[TokenId], int]:
+        """The n-gram draft that continues after the forced tokens (the pass itself yields one more)."""
         if seq.drafter is None:
             return [], 0
-        # The pass itself yields one token, so drafts beyond max_tokens - 1 can never be used.
-        budget = min(seq.max_draft, seq.params.max_tokens - len(seq.output_ids) - 1)
-        proposal = seq.drafter.propose(budget)
+        budget = min(seq.max_draft, budget)
+        proposal = seq.drafter.propose(budget, after=forced)
         if not proposal:
             return [], 0
         bucket = match_bucket(seq.drafter.last_match_length)
@@ -226,12 +255,12 @@ class Engine:
             k = self.policy.choose(len(proposal), seq.acceptance.first_accept(bucket), seq.acceptance.next.mean)
             proposal = proposal[:k]
         if seq.params.stop and proposal:
-            proposal = self._cut_at_stop_string(seq, proposal)
+            proposal = self._cut_at_stop_string(seq, forced, proposal)
         return proposal, bucket
 
-    def _cut_at_stop_string(self, seq: Generation, draft: list[TokenId]) -> list[TokenId]:
+    def _cut_at_stop_string(self, seq: Generation, forced: list[TokenId], draft: list[TokenId]) -> list[TokenId]:
         """Never draft past a stop string: end the draft at the token that completes one."""
-        context = seq.output_ids[-16:]
+        context = (seq.output_ids + forced)[-16:]
         base = len(self.tokenizer.decode(context))
         for i in range(1, len(draft) + 1):
             text = self.tokenizer.decode(context + draft[:i])
@@ -247,20 +276,27 @@ class Engine:
             return None
         now = time.perf_counter()
         seq.stats.forward_passes += 1
-        draft = plan.draft
-        tokens, num_accepted = seq.sampler.verify(logits, draft, len(seq.output_ids))
+        forced, draft = plan.forced, plan.draft
+        masks = None if plan.masks is None else _unpack_masks(plan.masks, logits.shape[-1])
+        verified, num_accepted = seq.sampler.verify(logits[len(forced) :], draft, len(seq.output_ids) + len(forced), masks)
+        tokens = forced + verified
         # Rejected drafts leave the cache; the last emitted token is fed next step.
         seq.cache.crop(seq.cache.length - (len(draft) - num_accepted))
         seq.stats.drafted_tokens += len(draft)
         seq.stats.accepted_tokens += num_accepted
+        seq.stats.forced_tokens += len(forced)
         seq.acceptance.observe(plan.bucket, len(draft), num_accepted)
 
-        # Stops that end on a token: EOS / stop token ids, then max_tokens.
+        # Stops that end on a token: EOS / stop token ids, a completed grammar, then max_tokens.
         finish: FinishReason | None = None
         for i, token in enumerate(tokens):
             if token in seq.stop_token_ids:
                 tokens, finish = tokens[: i + 1], "stop"
                 break
+        if seq.grammar is not None and finish is None:
+            seq.grammar.consume(verified)
+            if seq.grammar.stopped:  # nothing but EOS may follow: the output is complete
+                finish = "stop"
         room = seq.params.max_tokens - len(seq.output_ids)
         if len(tokens) >= room:
             tokens = tokens[:room]

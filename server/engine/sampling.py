@@ -109,12 +109,22 @@ class Sampler:
         race = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=generator)
         return int(torch.argmax(probs.cpu() / race))
 
-    def verify(self, logits: torch.Tensor, draft_tokens: list[TokenId], first_position: int) -> tuple[list[TokenId], int]:
+    def verify(
+        self,
+        logits: torch.Tensor,
+        draft_tokens: list[TokenId],
+        first_position: int,
+        allowed: torch.Tensor | None = None,
+    ) -> tuple[list[TokenId], int]:
         """Accept a prefix of ``draft_tokens`` against ``logits`` ``[len(draft) + 1, vocab]``.
 
         Returns (tokens to emit, number of drafts accepted): the accepted drafts followed by the
-        recovered token (first rejection) or the bonus token (all accepted).
+        recovered token (first rejection) or the bonus token (all accepted). ``allowed`` (bool,
+        same shape) masks each position to what a grammar allows there: greedy takes the masked
+        argmax, sampling the masked distribution (still exact for the constrained target).
         """
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
         if self.params.greedy:
             targets = logits.argmax(dim=-1).tolist()
             num_accepted = 0

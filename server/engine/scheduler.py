@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from server.engine.engine import Engine, Generation, GenerationRequest, StepOutput
 
@@ -220,12 +220,3 @@ class Scheduler:
     def _report_queue(self) -> None:
         if self.observer is not None:
             self.observer.on_queue(len(self._waiting), len(self._running))
-
-
-def stats_of(handle: RequestHandle) -> dict[str, Any]:
-    """Speculation stats of a finished request, in the API's ``usage.speculation`` shape."""
-    generation = handle.generation
-    if generation is None:
-        return {"forward_passes": 0, "drafted_tokens": 0, "accepted_tokens": 0}
-    s = generation.stats
-    return {"forward_passes": s.forward_passes, "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens}

@@ -17,7 +17,8 @@ from server.engine.engine import GenerationRequest, SpeculationParams, StepOutpu
 from server.engine.loader import LoadedModel
 from server.engine.scheduler import EngineError, QueueFull, RequestHandle, Scheduler
 from server.errors import APIError
-from server.schemas import SpeculationOptions
+from server.schemas import SpeculationOptions, _GenerationFields
+from tokenizer.grammar import Grammar, GrammarError
 
 
 def state_of(request: Request) -> ServerState:
@@ -63,7 +64,26 @@ def check_context(loaded: LoadedModel, prompt_tokens: int, max_tokens: int | Non
 def speculation_params(options: SpeculationOptions | None) -> SpeculationParams:
     if options is None:
         return SpeculationParams()
-    return SpeculationParams(enabled=options.enabled, max_draft=options.max_draft)
+    return SpeculationParams(enabled=options.enabled, max_draft=options.max_draft, fast_forward=options.fast_forward)
+
+
+async def compile_constraint(state: ServerState, req: _GenerationFields) -> str | None:
+    """The request's validated grammar text (cached by the compiler), or None; 400 quoting llguidance."""
+    constraint = req.constraint()
+    if constraint is None:
+        return None
+    param, kind, spec = constraint
+    compiler = state.grammar_compiler()
+    try:
+        return await asyncio.to_thread(compiler.compile, kind, spec)
+    except GrammarError as exc:
+        raise APIError(400, f"invalid {param}: {exc}", param=param, code="invalid_grammar") from None
+
+
+def grammar_state(state: ServerState, grammar_text: str | None, spec: SpeculationParams) -> Grammar | None:
+    if grammar_text is None:
+        return None
+    return state.grammar_compiler().new_state(grammar_text, fast_forward=spec.fast_forward)
 
 
 @dataclass
@@ -203,13 +223,14 @@ def add_output(choice: Choice, out: StepOutput) -> None:
 
 def usage(prompt_tokens: int, choices: list[Choice], prediction_ids: list[int] | None) -> dict[str, Any]:
     completion = sum(len(c.token_ids) for c in choices)
-    spec = {"forward_passes": 0, "drafted_tokens": 0, "accepted_tokens": 0}
+    spec = {"forward_passes": 0, "drafted_tokens": 0, "accepted_tokens": 0, "forced_tokens": 0}
     for c in choices:
         generation = c.handle.generation if c.handle else None
         if generation is not None:
             spec["forward_passes"] += generation.stats.forward_passes
             spec["drafted_tokens"] += generation.stats.drafted_tokens
             spec["accepted_tokens"] += generation.stats.accepted_tokens
+            spec["forced_tokens"] += generation.stats.forced_tokens
     body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,

@@ -27,6 +27,8 @@ from server.routes.generation import (
     check_context,
     check_model,
     collect,
+    compile_constraint,
+    grammar_state,
     new_id,
     speculation_params,
     state_of,
@@ -79,12 +81,6 @@ def sampling_params(
 def _prepare(req: _GenerationFields, loaded: LoadedModel) -> None:
     req.unsupported()
     check_model(loaded, req.model)
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "structured output ('response_format') is not available yet", param="response_format",
-                       code="unsupported_parameter")
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(req, name) is not None:
-            raise APIError(400, f"'{name}' is not available yet", param=name, code="unsupported_parameter")
 
 
 def _prediction_ids(req: _GenerationFields, tokenizer: Tokenizer) -> list[int] | None:
@@ -177,12 +173,14 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
         prompts.append(ids)
     prediction = _prediction_ids(body, tokenizer)
     spec = speculation_params(body.speculation)
+    grammar = await compile_constraint(state, body)
     requests = []
     for ids in prompts:
         max_tokens = check_context(loaded, len(ids), body.max_tokens, "prompt")
         params = sampling_params(body, max_tokens, body.logprobs, tokenizer)
         for _ in range(body.n):
-            requests.append(GenerationRequest(ids, params, spec, [prediction] if prediction else []))
+            requests.append(GenerationRequest(ids, params, spec, [prediction] if prediction else [],
+                                              grammar_state(state, grammar, spec)))
     prompt_tokens = sum(len(ids) for ids in prompts)
     truncation = _truncation(body, original_tokens, prompt_tokens)
     response_id, created = new_id("cmpl"), int(time.time())
@@ -255,7 +253,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     params = sampling_params(body, max_tokens, logprobs, tokenizer)
     prediction = _prediction_ids(body, tokenizer)
     spec = speculation_params(body.speculation)
-    requests = [GenerationRequest(ids, params, spec, [prediction] if prediction else []) for _ in range(body.n)]
+    grammar = await compile_constraint(state, body)
+    requests = [
+        GenerationRequest(ids, params, spec, [prediction] if prediction else [], grammar_state(state, grammar, spec))
+        for _ in range(body.n)
+    ]
     response_id, created = new_id("chatcmpl"), int(time.time())
 
     if not body.stream:

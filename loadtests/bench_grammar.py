@@ -1,0 +1,143 @@
+"""Grammar benchmark: JSON extraction from news articles, constrained decoding three ways.
+
+Workload: the first N articles of ../shared/data/summarization.jsonl; the model extracts a
+title, the people, places and numbers mentioned and a one-sentence summary under a JSON schema
+(greedy, max_tokens 300). For each article, back to back:
+
+- ``constrained``: grammar-masked decoding, one token per forward pass;
+- ``+fast_forward``: tokens the grammar forces go into the pass without verification;
+- ``+fast_forward+ngram``: forced tokens followed by n-gram drafts, all verified in one pass.
+
+Per row: tokens/s, forward passes per output token, share of forced tokens, share of outputs
+that parse and validate, share identical to the ``constrained`` output.
+
+    python -m loadtests.bench_grammar [--articles 10]
+
+Prints a markdown table, writes ``loadtests/results/bench_grammar.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from loadtests.bench_engine import DATA, RESULTS, machine
+from server.config import load_config
+from server.engine.build import build_engine
+from server.engine.engine import GenerationRequest, SpeculationParams
+from server.engine.sampling import SamplingParams
+from tokenizer.grammar import GrammarCompiler
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 100},
+        "people": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 5},
+        "places": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 5},
+        # Bounded numbers: an unbounded one lets a small model write digits until max_tokens.
+        "numbers": {"type": "array", "items": {"type": "number", "minimum": -1e9, "maximum": 1e9, "multipleOf": 0.01},
+                    "maxItems": 5},
+        "summary": {"type": "string", "maxLength": 300},
+    },
+    "required": ["title", "people", "places", "numbers", "summary"],
+    "additionalProperties": False,
+}
+INSTRUCTION = (
+    "Extract from the news article below, as JSON: the title, the people and the places mentioned, "
+    "the numbers mentioned, and a one-sentence summary.\n\n"
+)
+CONFIGS = {
+    "constrained": SpeculationParams(enabled=False, fast_forward=False),
+    "+fast_forward": SpeculationParams(enabled=False, fast_forward=True),
+    "+fast_forward+ngram": SpeculationParams(enabled=True, fast_forward=True),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--articles", type=int, default=10)
+    parser.add_argument("--max-tokens", type=int, default=300)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+
+    loaded, engine = build_engine(load_config())
+    compiler = GrammarCompiler(loaded.tokenizer)
+    grammar = compiler.compile("json_schema", SCHEMA)
+    rows = []
+    with open(DATA / "summarization.jsonl") as f:
+        for line in f:
+            rows.append(json.loads(line))
+            if len(rows) == args.articles:
+                break
+    records: list[dict[str, Any]] = []
+    for i, row in enumerate(rows):
+        article = row["prompt"].split("\n\n", 1)[1]
+        ids = loaded.tokenizer.encode_chat([{"role": "user", "content": INSTRUCTION + article}])
+        record: dict[str, Any] = {"id": row["id"]}
+        for name, spec in CONFIGS.items():
+            request = GenerationRequest(ids, SamplingParams(max_tokens=args.max_tokens), spec,
+                                        grammar=compiler.new_state(grammar, spec.fast_forward))
+            begin = time.perf_counter()
+            result = engine.generate(request)
+            seconds = time.perf_counter() - begin
+            try:
+                jsonschema.validate(json.loads(result.text), SCHEMA)
+                valid = True
+            except (ValueError, jsonschema.ValidationError):
+                valid = False
+            s = result.stats
+            record[name] = {"tokens": s.output_tokens, "seconds": seconds, "passes": s.forward_passes,
+                            "forced": s.forced_tokens, "drafted": s.drafted_tokens, "accepted": s.accepted_tokens,
+                            "valid": valid, "token_ids": result.token_ids}
+        base = record["constrained"]["token_ids"]
+        for name in CONFIGS:
+            record[name]["identical"] = record[name]["token_ids"] == base
+        records.append(record)
+        print(f"[{i + 1}/{len(rows)}] {row['id']}: " + ", ".join(
+            f"{name} {record[name]['tokens'] / record[name]['seconds']:.1f} tok/s" for name in CONFIGS), file=sys.stderr)
+
+    summary: dict[str, Any] = {}
+    base_speed = sum(r["constrained"]["tokens"] for r in records) / sum(r["constrained"]["seconds"] for r in records)
+    for name in CONFIGS:
+        tokens = sum(r[name]["tokens"] for r in records)
+        seconds = sum(r[name]["seconds"] for r in records)
+        summary[name] = {
+            "tokens_per_s": tokens / seconds,
+            "ratio": tokens / seconds / base_speed,
+            "passes_per_token": sum(r[name]["passes"] for r in records) / tokens,
+            "forced_share": sum(r[name]["forced"] for r in records) / tokens,
+            "accepted_drafts_share": sum(r[name]["accepted"] for r in records) / tokens,
+            "valid_share": sum(r[name]["valid"] for r in records) / len(records),
+            "identical_share": sum(r[name]["identical"] for r in records) / len(records),
+        }
+    lines = ["| config | tokens/s | vs constrained | passes/token | forced share | accepted-draft share | valid | identical |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s in summary.items():
+        lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {s['ratio']:.2f}x | {s['passes_per_token']:.3f} | "
+                     f"{s['forced_share']:.1%} | {s['accepted_drafts_share']:.1%} | {s['valid_share']:.0%} | "
+                     f"{s['identical_share']:.0%} |")
+    table = "\n".join(lines)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    header = (f"Grammar benchmark, {stamp}, {machine()}; model {loaded.name}; JSON extraction from "
+              f"{len(records)} CNN/DailyMail articles, greedy, max_tokens {args.max_tokens}")
+    print(header)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_grammar.md").write_text(header + "\n\n" + table + "\n")
+    for r in records:
+        for name in CONFIGS:
+            r[name].pop("token_ids")
+    (args.out / "bench_grammar.json").write_text(json.dumps(
+        {"date": stamp, "machine": machine(), "schema": SCHEMA, "summary": summary, "articles": records}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

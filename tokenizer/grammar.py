@@ -1,0 +1,200 @@
+"""Grammar state for constrained decoding (llguidance), and canonical fast-forward tokens.
+
+``GrammarCompiler`` turns a request's constraint (JSON schema, regex, choice list, Lark grammar)
+into an llguidance grammar, validates it against the served tokenizer (an invalid grammar is a
+``GrammarError`` quoting llguidance's message) and caches compiled grammars. ``Grammar`` is the
+state of one request, with verbs that say what happens to it:
+
+- ``forced_tokens()``: tokens the grammar allows as the only continuation (fast-forward);
+- ``validate(tokens)``: how many of ``tokens`` the grammar allows from here (drafts are cut there);
+- ``masks(forced, draft)``: the allowed-token bitmask at every verified position;
+- ``consume(tokens)`` / ``rollback(n)``.
+
+Fast-forward tokens must be canonical (llguidance ``docs/fast_forward.md``): the forced *bytes*
+are certain, but their tokenization is not, since the text that follows can merge with the end
+of the forced bytes into a longer token (forcing ``":"`` as three tokens when the model would
+write ``":"`` followed by ``"Paris`` as ``":"`` + ``"Par`` ...). llguidance already backs off the
+last tokens of the forced bytes; ``canonical_prefix`` checks its answer against the served
+tokenizer and backs off further (up to ``MAX_BACKOFF`` tokens) while (a) the tokens do not
+re-encode to themselves, or (b) some vocabulary token starts with the last forced token's bytes
+and runs past them consistently with the rest of the forced bytes, i.e. a longer token could
+span the end of what we would force.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from tokenizer.loader import Tokenizer
+
+TokenId = int
+MAX_BACKOFF = 4
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be compiled; the message is llguidance's."""
+
+
+class TokenBytes:
+    """Byte strings of every token, sorted, to find the tokens that extend a given one."""
+
+    def __init__(self, tokenizer: Tokenizer, llg_tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        n = llg_tokenizer.vocab_size
+        self.bytes_of = [llg_tokenizer.decode_bytes([t]) for t in range(n)]
+        special = {t for t in range(n) if llg_tokenizer.is_special_token(t)}
+        self.sorted = sorted(b for t, b in enumerate(self.bytes_of) if b and t not in special)
+
+    def has_longer_token(self, head: bytes, rest: bytes) -> bool:
+        """Whether a token starts with ``head`` + at least one byte, those bytes agreeing with ``rest``."""
+        i = bisect.bisect_right(self.sorted, head)
+        while i < len(self.sorted) and self.sorted[i].startswith(head):
+            extra = self.sorted[i][len(head) :]
+            if extra and (rest.startswith(extra) or extra.startswith(rest)):
+                return True
+            i += 1
+        return False
+
+
+def canonical_prefix(tokens: list[TokenId], forced_bytes: bytes, index: TokenBytes) -> list[TokenId]:
+    """The longest prefix of ``tokens`` (within MAX_BACKOFF of the end) that is safe to force."""
+    if not tokens:
+        return []
+    floor = max(len(tokens) - MAX_BACKOFF, 0)
+    for keep in range(len(tokens), floor, -1):
+        candidate = tokens[:keep]
+        text = index.tokenizer.decode(candidate, skip_special_tokens=False)
+        if index.tokenizer.encode(text) != candidate:
+            continue
+        covered = sum(len(index.bytes_of[t]) for t in candidate)
+        if index.has_longer_token(index.bytes_of[candidate[-1]], forced_bytes[covered:]):
+            continue
+        return candidate
+    return []
+
+
+class Grammar:
+    """The grammar state of one request (wraps an llguidance ``LLMatcher``)."""
+
+    def __init__(self, matcher: Any, index: TokenBytes, vocab_size: int, fast_forward: bool = True) -> None:
+        self.matcher = matcher
+        self.index = index
+        self.vocab_size = vocab_size
+        self.fast_forward = fast_forward
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise GrammarError(self.matcher.get_error())
+
+    @property
+    def stopped(self) -> bool:
+        """No token but EOS can follow: the constrained output is complete."""
+        return bool(self.matcher.is_stopped())
+
+    @property
+    def accepting(self) -> bool:
+        return bool(self.matcher.is_accepting())
+
+    def forced_tokens(self) -> list[TokenId]:
+        """Canonical fast-forward tokens from the current state ([] when off or none)."""
+        if not self.fast_forward or self.stopped:
+            return []
+        tokens = list(self.matcher.compute_ff_tokens())
+        if not tokens:
+            return []
+        return canonical_prefix(tokens, self.matcher.compute_ff_bytes(), self.index)
+
+    def validate(self, tokens: list[TokenId]) -> int:
+        """How many of ``tokens`` (a prefix) the grammar allows from the current state."""
+        return int(self.matcher.validate_tokens(tokens)) if tokens else 0
+
+    def consume(self, tokens: list[TokenId]) -> None:
+        if tokens and not self.matcher.consume_tokens(tokens):
+            self._check()
+            raise GrammarError("the grammar rejected a token it had allowed")
+
+    def rollback(self, n: int) -> None:
+        if n and not self.matcher.rollback(n):
+            raise GrammarError(f"cannot roll the grammar back by {n} tokens")
+
+    def masks(self, draft: list[TokenId]) -> list[bytes]:
+        """Bitmasks (bit i of byte i // 8 = token i allowed) after draft[:0], ..., draft[:len].
+
+        The state is unchanged afterwards. ``draft`` must be allowed (see ``validate``).
+        """
+        masks = [self.matcher.compute_bitmask()]
+        for token in draft:
+            self.consume([token])
+            masks.append(self.matcher.compute_bitmask())
+        self.rollback(len(draft))
+        return masks
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; compiled grammars are cached (thread-safe)."""
+
+    def __init__(self, tokenizer: Tokenizer, cache_size: int = 256) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self._llg = llguidance
+        self.tokenizer = tokenizer
+        self.llg_tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=tokenizer.vocab_size)
+        self.index = TokenBytes(tokenizer, self.llg_tokenizer)
+        # grammar text -> a pristine matcher, deep-copied for each request (cheaper than compiling)
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def grammar_text(self, kind: str, spec: Any) -> str:
+        """llguidance grammar for ``kind`` in json_schema | regex | choice | lark."""
+        M = self._llg.LLMatcher
+        try:
+            if kind == "json_schema":
+                schema = json.loads(spec) if isinstance(spec, str) else spec
+                # Compact separators: more of the output is forced, and small models cannot wander
+                # off into endless whitespace.
+                return M.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+            if kind == "regex":
+                return M.grammar_from_regex(spec)
+            if kind == "choice":
+                choices = [str(c) for c in spec]
+                if not choices:
+                    raise GrammarError("guided_choice needs at least one choice")
+                return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+            if kind == "lark":
+                return M.grammar_from_lark(spec)
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(str(exc)) from None
+        raise GrammarError(f"unknown constraint kind {kind!r}")
+
+    def compile(self, kind: str, spec: Any) -> str:
+        """A validated grammar text; GrammarError with llguidance's message if it is invalid."""
+        text = self.grammar_text(kind, spec)
+        self._template(text)
+        return text
+
+    def _template(self, text: str) -> Any:
+        with self._lock:
+            if text in self._cache:
+                self._cache.move_to_end(text)
+                return self._cache[text]
+        is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(text, self.llg_tokenizer)
+        if is_error:
+            raise GrammarError(messages[0] if messages else "invalid grammar")
+        matcher = self._llg.LLMatcher(self.llg_tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        with self._lock:
+            self._cache[text] = matcher
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def new_state(self, grammar_text: str, fast_forward: bool = True) -> Grammar:
+        """A fresh grammar state for one request."""
+        return Grammar(self._template(grammar_text).deep_copy(), self.index, self.tokenizer.vocab_size, fast_forward)
