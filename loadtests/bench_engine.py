@@ -100,11 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--near-tie", type=float, default=1e-3, help="largest top-2 logit gap counted as a near tie")
+    parser.add_argument("--dtype", default="auto", help="model dtype for every system (auto = float32)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
 
-    config = load_config()
+    config = load_config(overrides={"model": {"dtype": args.dtype}})
     print("loading models...", file=sys.stderr)
     source, tokenizer, hf_model = load_transformers(config.model)
     loaded = prepare(hf_model, tokenizer, source.display_name, config.model.backend)
@@ -166,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_engine.md").write_text(header + "\n\n" + table + "\n")
-    (args.out / "bench_engine.json").write_text(
+    stem = "bench_engine" if args.dtype == "auto" else f"bench_engine_{args.dtype}"
+    (args.out / f"{stem}.md").write_text(header + "\n\n" + table + "\n")
+    (args.out / f"{stem}.json").write_text(
         json.dumps(
             {"date": stamp, "machine": machine(), "model": loaded.name, "cost_curve_s": cost,
              "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "prompts": per_prompt},
