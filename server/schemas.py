@@ -15,8 +15,33 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from server.errors import APIError
 
 
+def _check_unicode(value: Any) -> None:
+    """Reject lone surrogates (JSON allows "\\ud800", UTF-8 does not) anywhere in a value."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"lone surrogate U+{ord(value[exc.start]):04X} at offset {exc.start} has no UTF-8 encoding; "
+                "send valid Unicode text"
+            ) from None
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        _check_unicode(value)
+        return value
 
 
 class SpeculationOptions(_Strict):

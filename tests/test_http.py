@@ -177,6 +177,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": QUESTION, "speculation": {"max_draft": -1}}, 400, "invalid_request_error", "speculation.max_draft"),
     ("/v1/completions", {"prompt": "x" * 60000, "max_tokens": 10}, 400, "invalid_request_error", "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 99999999]}, 400, "invalid_request_error", "prompt"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "invalid_request_error", "prompt"),  # lone surrogate
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\udc00"}]}', 400, "invalid_request_error",
+     "messages[0].content"),
+    ("/v1/correct", b'{"text": "\\ud83d"}', 400, "invalid_request_error", "text"),
     ("/v1/completions", {"prompt": []}, 400, "invalid_request_error", "prompt"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "invalid_request_error", "logprobs"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "invalid_request_error", "echo"),
