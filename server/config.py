@@ -124,9 +124,8 @@ def load_config(
     if not path.exists() and path != DEFAULT_CONFIG_PATH:
         raise FileNotFoundError(f"config file not found: {path}")
     sections: dict[str, Any] = {}
-    for section_field in fields(Config):
-        name = section_field.name
-        section_type = section_field.default_factory  # type: ignore[misc]
+    section_types: dict[str, type[Any]] = {"model": ModelConfig, "drafting": DraftingConfig, "server": ServerConfig}
+    for name, section_type in section_types.items():
         known = {f.name: f for f in fields(section_type)}
         values: dict[str, Any] = {}
         table = data.pop(name, {})

@@ -143,7 +143,8 @@ class GrammarCompiler:
 
         self._llg = llguidance
         self.tokenizer = tokenizer
-        self.llg_tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=tokenizer.vocab_size)
+        hf: Any = tokenizer.hf  # a fast (tokenizers-backed) tokenizer
+        self.llg_tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=tokenizer.vocab_size)
         self.index = TokenBytes(tokenizer, self.llg_tokenizer)
         # grammar text -> a pristine matcher, deep-copied for each request (cheaper than compiling)
         self._cache: OrderedDict[str, Any] = OrderedDict()

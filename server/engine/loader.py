@@ -131,7 +131,7 @@ def _load_gguf_converted(source: ModelSource, dtype: torch.dtype) -> tuple[Token
         return tokenizer, AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
     log.info("converting %s (first load; later loads use %s)", source.gguf_file, target)
     tokenizer = load_tokenizer(source.path, source.gguf_file)
-    hf_model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+    hf_model: Any = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
     staging = None
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)

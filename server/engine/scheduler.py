@@ -158,7 +158,7 @@ class Scheduler:
             self._finish(handle, "the server is shutting down")
 
     def _admit(self) -> list[RequestHandle]:
-        admitted = []
+        admitted: list[RequestHandle] = []
         while self._waiting and len(self._running) + len(admitted) < self.max_running:
             admitted.append(self._waiting.popleft())
         return admitted

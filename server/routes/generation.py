@@ -133,8 +133,8 @@ async def collect(state: ServerState, http: Request, requests: list[GenerationRe
         async for out in choice.handle.events():
             add_output(choice, out)
 
-    work = asyncio.ensure_future(asyncio.gather(*(drain(c) for c in choices)))
-    watcher = asyncio.ensure_future(_watch_disconnect(http))
+    work: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*(drain(c) for c in choices)))
+    watcher: asyncio.Future[Any] = asyncio.ensure_future(_watch_disconnect(http))
     try:
         done, _ = await asyncio.wait(
             {work, watcher}, timeout=state.config.server.request_timeout_s, return_when=asyncio.FIRST_COMPLETED
