@@ -50,6 +50,9 @@ def _send_requests(url: str) -> None:
         {"messages": [{"role": "user", "content": "Repeat this text exactly:\n\n" + text}], "max_tokens": 24},
         {"messages": [{"role": "user", "content": "Name three primary colors."}], "max_tokens": 12, "stream": True},
         {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "speculation": {"enabled": False}},
+        {"messages": [{"role": "user", "content": "Name a colour as JSON."}], "max_tokens": 16,  # forced tokens
+         "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+             "type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}}}},
     ]
     for body in bodies:
         r = httpx.post(url + "/v1/chat/completions", json={**body, "temperature": 0}, timeout=120)
@@ -75,7 +78,7 @@ def test_dashboard_charts_show_live_data_in_headless_chromium(dashboard_server):
             # The page polls on its own; wait until every chart has drawn something above zero.
             charts_drawn = " && ".join(f"Number(document.getElementById('chart-{c}').dataset.max) > 0" for c in CHARTS)
             page.wait_for_function(charts_drawn, timeout=30_000)
-            page.wait_for_function("document.getElementById('tile-rate').textContent.includes('3 ok')", timeout=30_000)
+            page.wait_for_function("document.getElementById('tile-rate').textContent.includes('4 ok')", timeout=30_000)
             for chart in CHARTS:
                 canvas = page.locator(f"#chart-{chart}")
                 assert int(canvas.get_attribute("data-points")) > 0, chart
@@ -83,6 +86,7 @@ def test_dashboard_charts_show_live_data_in_headless_chromium(dashboard_server):
             assert page.text_content("#tile-rate .value") != "–"
             assert "–" not in page.text_content("#tile-ttft .value")  # p50 and p99 both shown
             assert int(page.text_content("#tile-drafts .value").split("/")[0]) > 0  # drafted tokens
+            assert int(page.text_content("#tile-drafts .sub").rsplit("forced", 1)[1]) > 0  # grammar fast-forward
             assert errors == []
 
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)

@@ -281,3 +281,16 @@ def test_grafana_dashboard_queries_only_metrics_that_parrot_exports():
                  "parrot_forced_tokens_total", "parrot_forward_passes_total", "parrot_requests_waiting"):
         assert name in used, name
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+@pytest.mark.real_model
+def test_stats_count_tokens_forced_by_a_grammar(stats_server):
+    before = httpx.get(stats_server.url + "/v1/stats").json()["window"]
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"],
+              "additionalProperties": False}
+    r = httpx.post(stats_server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "Name a colour as JSON."}], "max_tokens": 16, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    after = httpx.get(stats_server.url + "/v1/stats").json()["window"]
+    assert after["forced_tokens"] > before["forced_tokens"]  # at least '{"colour":"' is forced
