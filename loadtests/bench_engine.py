@@ -87,6 +87,21 @@ class HFRunner:
         return out[0, len(ids) :].tolist(), seconds, self.calls
 
     @torch.inference_mode()
+    def pass_cost(self, context: list[int], tokens: int, repeats: int = 5) -> float:
+        """Least seconds of one transformers forward over ``tokens`` after ``context`` cached ones."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        self.model(torch.tensor([context]), past_key_values=cache, use_cache=True)
+        best = float("inf")
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            self.model(torch.tensor([context[:tokens]]), past_key_values=cache, use_cache=True)
+            best = min(best, time.perf_counter() - begin)
+            cache.crop(-tokens)
+        return best
+
+    @torch.inference_mode()
     def top_gap(self, ids: list[int], a: int, b: int) -> float:
         """|logit(a) - logit(b)| of the baseline model after ``ids``."""
         logits = self.model(torch.tensor([ids])).logits[0, -1].float()
@@ -113,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(loaded.forward, loaded.tokenizer, config.drafting, cost, config.server.prefill_chunk)
     hf = HFRunner(hf_model)
     print("cost curve (ms): " + " ".join(f"{c * 1e3:.0f}" for c in cost[1:]), file=sys.stderr)
+    context = list(range(1000, 1512))
+    pass_costs = {t: {"parrot_ms": cost[t] * 1e3, "transformers_ms": hf.pass_cost(context, t) * 1e3}
+                  for t in (1, 8, 16) if t < len(cost)}
 
     per_prompt: list[dict[str, Any]] = []
     for task in tasks:
@@ -164,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{str(loaded.dtype).removeprefix('torch.')}), {args.prompts} prompts per task, greedy, "
         f"max_tokens {args.max_tokens}"
     )
+    cost_table = "\n".join(
+        ["| tokens in the pass (512 cached) | Parrot forward (ms) | transformers forward (ms) |", "|---:|---:|---:|"]
+        + [f"| {t} | {c['parrot_ms']:.0f} | {c['transformers_ms']:.0f} |" for t, c in pass_costs.items()]
+    )
+    table = table + "\n\n" + cost_table
     print(header)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{stem}.md").write_text(header + "\n\n" + table + "\n")
     (args.out / f"{stem}.json").write_text(
         json.dumps(
-            {"date": stamp, "machine": machine(), "model": loaded.name, "cost_curve_s": cost,
+            {"date": stamp, "machine": machine(), "model": loaded.name, "cost_curve_s": cost, "pass_costs": pass_costs,
              "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "prompts": per_prompt},
             indent=1,
         )

@@ -59,11 +59,12 @@ class ServerConfig:
     request_timeout_s: float = 300.0
     max_body_bytes: int = 4 * 1024 * 1024
     prefill_chunk: int = 512
+    prefill_chunk_busy: int = 128
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("server.port must be in [0, 65535]")
-        for name in ("max_queue", "max_running", "max_body_bytes", "prefill_chunk"):
+        for name in ("max_queue", "max_running", "max_body_bytes", "prefill_chunk", "prefill_chunk_busy"):
             if getattr(self, name) < 1:
                 raise ValueError(f"server.{name} must be >= 1")
         if self.request_timeout_s <= 0:

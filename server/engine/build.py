@@ -24,5 +24,6 @@ def build_engine(config: Config) -> tuple[LoadedModel, Engine]:
             drafting.max_draft + 1,
             " ".join(f"{c * 1e3:.0f}" for c in cost[1:]),
         )
-    engine = Engine(loaded.forward, loaded.tokenizer, drafting, cost, config.server.prefill_chunk)
+    engine = Engine(loaded.forward, loaded.tokenizer, drafting, cost, config.server.prefill_chunk,
+                    config.server.prefill_chunk_busy)
     return loaded, engine

@@ -183,12 +183,14 @@ class Engine:
         drafting: DraftingConfig,
         cost_curve: Sequence[float] | None = None,
         prefill_chunk: int = 512,
+        prefill_chunk_busy: int = 128,
     ) -> None:
         self.forward = forward
         self.tokenizer = tokenizer
         self.drafting = drafting
         self.max_draft = drafting.max_draft if drafting.enabled else 0
         self.prefill_chunk = prefill_chunk
+        self.prefill_chunk_busy = min(prefill_chunk_busy, prefill_chunk)
         self.policy: DraftLengthPolicy | None = None
         if drafting.adaptive and self.max_draft > 0:
             if cost_curve is None:
@@ -218,17 +220,20 @@ class Engine:
     def step(self, sequences: Sequence[Generation]) -> list[StepOutput | None]:
         """Advance each unfinished sequence by one forward pass (all in the same pass)."""
         running = [s for s in sequences if not s.finished]
-        # 1. Plan: prompt chunk, or pending token + draft.
-        plans = [self._plan(s) for s in running]
+        # 1. Plan: prompt chunk, or pending token + forced tokens + draft. While others decode,
+        #    a prompt is read in smaller chunks so that their next tokens are not held up long.
+        decoding = sum(len(s.pending) == 1 for s in running)
+        chunk = self.prefill_chunk_busy if decoding else self.prefill_chunk
+        plans = [self._plan(s, chunk) for s in running]
         # 2. One forward pass over everything.
         logits = self.forward.forward([(s.cache, p.tokens, p.num_logits) for s, p in zip(running, plans)])
         # 3-4. Accept, commit, emit.
         outputs = {id(s): self._commit(s, p, lg) for s, p, lg in zip(running, plans, logits)}
         return [outputs.get(id(s)) for s in sequences]
 
-    def _plan(self, seq: Generation) -> _Plan:
-        if len(seq.pending) > self.prefill_chunk:
-            return _Plan(seq.pending[: self.prefill_chunk], 0, [], 0)
+    def _plan(self, seq: Generation, chunk: int) -> _Plan:
+        if len(seq.pending) > chunk:
+            return _Plan(seq.pending[:chunk], 0, [], 0)
         room = seq.params.max_tokens - len(seq.output_ids)
         forced: list[TokenId] = []
         if seq.grammar is not None:

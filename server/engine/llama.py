@@ -181,6 +181,13 @@ class LlamaForward:
         q_width = self.num_heads * self.head_dim
         kv_width = self.num_kv_heads * self.head_dim
 
+        # Causal masks, one per sequence, shared by every layer: query i (position start + i)
+        # sees keys 0..start + i. None where SDPA's own modes cover it (one query, or from 0).
+        masks = [
+            None if n == 1 or start == 0
+            else torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)
+            for start, n in zip(starts, lengths)
+        ]
         hidden = self.embed[ids]  # [tokens, hidden]
         for index, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer.input_norm)
@@ -190,11 +197,11 @@ class LlamaForward:
             v = qkv[:, q_width + kv_width :].view(num_tokens, self.num_kv_heads, self.head_dim)
             outputs = []
             offset = 0
-            for (cache, _, _), start, n in zip(batch, starts, lengths):
+            for (cache, _, _), start, n, mask in zip(batch, starts, lengths, masks):
                 end = start + n
                 cache.k[index, :, start:end] = k[offset : offset + n].transpose(0, 1)
                 cache.v[index, :, start:end] = v[offset : offset + n].transpose(0, 1)
-                outputs.append(self._attention(q[offset : offset + n], cache, index, start, end))
+                outputs.append(self._attention(q[offset : offset + n], cache, index, end, mask))
                 offset += n
             hidden = hidden + layer.o(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
             x = self._rms_norm(hidden, layer.post_norm)
@@ -214,18 +221,14 @@ class LlamaForward:
         logits = self.lm_head(self._rms_norm(hidden[rows], self.final_norm)).float()
         return list(logits.split([num_logits for _, _, num_logits in batch]))
 
-    def _attention(self, q: torch.Tensor, cache: KVCache, layer: int, start: int, end: int) -> torch.Tensor:
-        """Causal attention of ``q`` ([n, heads, head_dim], positions start..end-1) over the cache."""
-        n = end - start
+    def _attention(self, q: torch.Tensor, cache: KVCache, layer: int, end: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention of ``q`` ([n, heads, head_dim], positions end-n..end-1) over the cache."""
+        n = q.shape[0]
         keys = cache.k[layer, :, :end][None]  # [1, kv_heads, end, head_dim]
         values = cache.v[layer, :, :end][None]
         query = q.transpose(0, 1)[None]  # [1, heads, n, head_dim]
-        if n == 1:
-            out = F.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
-        elif start == 0:
-            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
-        else:
-            # Query i (position start + i) sees keys 0..start + i.
-            mask = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(start)
+        if mask is not None:
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
+        else:  # one query sees everything; a sequence fed from position 0 is plain causal
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=n > 1, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
