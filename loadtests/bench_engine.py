@@ -35,7 +35,7 @@ import torch
 from server.config import load_config
 from server.engine.costmodel import measure_cost_curve
 from server.engine.engine import Engine, GenerationRequest, SpeculationParams
-from server.engine.loader import load_transformers, prepare
+from server.engine.loader import gguf_blocks, load_transformers, prepare
 from server.engine.sampling import SamplingParams
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(overrides={"model": {"dtype": args.dtype}})
     print("loading models...", file=sys.stderr)
     source, tokenizer, hf_model = load_transformers(config.model)
-    loaded = prepare(hf_model, tokenizer, source.display_name, config.model.backend)
+    # The forward `parrot serve` builds (with GGUF block kernels where the CPU has them); the
+    # transformers model it was built from stays the baseline.
+    loaded = prepare(hf_model, tokenizer, source.display_name, config.model.backend, gguf_blocks(source, hf_model))
     cost = measure_cost_curve(loaded.forward, config.drafting.max_draft + 1)
     engine = Engine(loaded.forward, loaded.tokenizer, config.drafting, cost, config.server.prefill_chunk)
     hf = HFRunner(hf_model)

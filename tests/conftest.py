@@ -45,10 +45,12 @@ def embedded_engine(embedded_transformers):
     from server.config import DraftingConfig
     from server.engine.costmodel import measure_cost_curve
     from server.engine.engine import Engine
-    from server.engine.loader import prepare
+    from server.engine.loader import gguf_blocks, prepare, resolve_source
 
     tokenizer, hf_model = embedded_transformers
-    loaded = prepare(hf_model, tokenizer, "SmolLM2-135M-Instruct")
+    # The same forward `parrot serve` builds: GGUF block kernels for small passes when the CPU has them.
+    blocks = gguf_blocks(resolve_source("embedded"), hf_model)
+    loaded = prepare(hf_model, tokenizer, "SmolLM2-135M-Instruct", blocks=blocks)
     drafting = DraftingConfig()
     cost = measure_cost_curve(loaded.forward, drafting.max_draft + 1, repeats=1)
     return Engine(loaded.forward, tokenizer, drafting, cost)

@@ -184,12 +184,37 @@ def load_transformers(config: ModelConfig) -> tuple[ModelSource, Tokenizer, Any]
     return source, tokenizer, hf_model.to(device).eval()
 
 
-def prepare(hf_model: Any, tokenizer: Tokenizer, name: str, backend: str = "auto") -> LoadedModel:
+def gguf_blocks(source: ModelSource, hf_model: Any) -> dict[str, Any]:
+    """The GGUF's block weights (quant.py), verified against ``hf_model`` and cached beside its
+    converted copy; {} for models that are not GGUF files or not float32."""
+    from server.engine.quant import load_blocks, read_gguf_blocks, save_blocks
+
+    if source.gguf_file is None or hf_model.dtype != torch.float32:
+        return {}
+    path = os.path.join(_conversion_dir(source), "blocks.safetensors")
+    if os.path.isfile(path):
+        return load_blocks(path)
+    blocks = read_gguf_blocks(os.path.join(source.path, source.gguf_file), hf_model)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_blocks(blocks, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    except OSError as exc:
+        log.warning("could not cache the GGUF blocks in %s (%s)", path, exc)
+    return blocks
+
+
+def prepare(
+    hf_model: Any, tokenizer: Tokenizer, name: str, backend: str = "auto", blocks: dict[str, Any] | None = None
+) -> LoadedModel:
     """Wrap a loaded transformers model in Parrot's forward (native when supported)."""
     context_window = int(getattr(hf_model.config, "max_position_embeddings", 0) or 4096)
     if backend == "auto":
         backend = "native" if native_support(hf_model) is None else "hf"
-    forward = LlamaForward(hf_model, context_window) if backend == "native" else HFForward(hf_model, context_window)
+    if backend == "native":
+        forward: Any = LlamaForward(hf_model, context_window, blocks)
+    else:
+        forward = HFForward(hf_model, context_window)
     return LoadedModel(
         forward=forward,
         tokenizer=tokenizer,
@@ -206,11 +231,14 @@ def load_model(config: ModelConfig) -> LoadedModel:
     """Load the model named by ``config.source`` once; raise ModelNotFoundError if there is none."""
     begin = time.perf_counter()
     source, tokenizer, hf_model = load_transformers(config)
+    blocks = gguf_blocks(source, hf_model) if config.backend != "hf" else {}
     # The native forward keeps its own (packed) copies of the weights; the transformers model
     # is dropped after this call unless the fallback backend uses it.
-    loaded = prepare(hf_model, tokenizer, source.display_name, config.backend)
+    loaded = prepare(hf_model, tokenizer, source.display_name, config.backend, blocks)
     loaded.load_seconds = time.perf_counter() - begin
+    kernels = "GGUF block kernels for small passes" if getattr(loaded.forward, "block_kernels", False) else "float32 weights"
     log.info(
-        "loaded in %.1f s: backend %s, context window %d", loaded.load_seconds, loaded.backend, loaded.context_window
+        "loaded in %.1f s: backend %s, %s, context window %d",
+        loaded.load_seconds, loaded.backend, kernels, loaded.context_window,
     )
     return loaded

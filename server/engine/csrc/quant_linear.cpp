@@ -1,0 +1,122 @@
+// y = x @ W^T for weights kept in their GGUF block formats, with float32 activations and sums.
+//
+// Why: at one to a few tokens per pass a forward is bound by reading the weights. Float32 copies
+// of the embedded model's weights are 540 MB per pass; its Q4_1 blocks are 4.5 bits per weight
+// and its Q8_0 embedding 8.5. Each block is expanded to float32 in registers exactly as the
+// GGUF defines it (Q4_1: d * q + m, Q8_0: d * q; d * q is exact in float32, so the fused
+// multiply-add rounds once, like the separate multiply and add of the reference dequantisation),
+// then multiplied with the activations in float32. The only difference from a float32 matmul
+// of the dequantised weights is the order of the additions.
+//
+// Each output element is a sum over K in a fixed order whatever the number of rows M, so a row's
+// result does not depend on the rows computed with it (batch invariance).
+//
+// Built by server/engine/quant.py with -mavx512f -mavx512bw -mfma -fopenmp; used only on CPUs that
+// have AVX-512.
+
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <omp.h>
+
+namespace {
+
+// One weight matrix in Q4_1: blocks of 32 along K; byte j of a block holds value j in its low
+// nibble and value j + 16 in its high nibble.
+struct Q4_1 {
+  const uint8_t* qs;  // [N, K / 2]
+  const float* d;     // [N, K / 32]
+  const float* m;     // [N, K / 32]
+  int64_t K;
+  inline void block(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qs + n * (K / 2) + b * 16)));
+    const __m512 scale = _mm512_set1_ps(d[n * (K / 32) + b]);
+    const __m512 offset = _mm512_set1_ps(m[n * (K / 32) + b]);
+    lo = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), offset);
+    hi = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), offset);
+  }
+};
+
+// One weight matrix in Q8_0: blocks of 32 signed bytes and one scale.
+struct Q8_0 {
+  const int8_t* qs;  // [N, K]
+  const float* d;    // [N, K / 32]
+  int64_t K;
+  inline void block(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
+    const int8_t* p = qs + n * K + b * 32;
+    const __m512 scale = _mm512_set1_ps(d[n * (K / 32) + b]);
+    lo = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))));
+    hi = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16)))));
+  }
+};
+
+// MT rows of x against NT weight rows n .. n + NT - 1. Fixed sizes keep the MT x NT accumulators
+// in registers; each block of a weight row is expanded once for all MT rows, and each load of x
+// feeds NT multiply-adds.
+template <int MT, int NT, class W>
+inline void tile(const W& w, const float* x, int64_t K, int64_t n, float* y, int64_t N) {
+  __m512 acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m512 lo[NT], hi[NT];
+    for (int j = 0; j < NT; ++j) w.block(n + j, b, lo[j], hi[j]);
+    for (int i = 0; i < MT; ++i) {
+      const __m512 x_lo = _mm512_loadu_ps(x + i * K + b * 32);
+      const __m512 x_hi = _mm512_loadu_ps(x + i * K + b * 32 + 16);
+      for (int j = 0; j < NT; ++j) {
+        acc[i][j] = _mm512_fmadd_ps(lo[j], x_lo, acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(hi[j], x_hi, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) y[i * N + n + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// All M rows of x against weight rows n .. n + NT - 1, four rows of x at a time.
+template <int NT, class W>
+inline void columns(const W& w, const float* x, int64_t M, int64_t K, int64_t n, float* y, int64_t N) {
+  int64_t i = 0;
+  for (; i + 4 <= M; i += 4) tile<4, NT>(w, x + i * K, K, n, y + i * N, N);
+  switch (M - i) {
+    case 1: tile<1, NT>(w, x + i * K, K, n, y + i * N, N); break;
+    case 2: tile<2, NT>(w, x + i * K, K, n, y + i * N, N); break;
+    case 3: tile<3, NT>(w, x + i * K, K, n, y + i * N, N); break;
+    default: break;
+  }
+}
+
+template <class W>
+torch::Tensor linear(const W& w, const torch::Tensor& x, int64_t N) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x must be a contiguous float32 matrix");
+  TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int NT = 4;
+  const int64_t tiled = N - N % NT;
+  #pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < tiled; n += NT) columns<NT>(w, xp, M, K, n, yp, N);
+  for (int64_t n = tiled; n < N; ++n) columns<1>(w, xp, M, K, n, yp, N);
+  return y;
+}
+
+}  // namespace
+
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
+  TORCH_CHECK(qs.dtype() == torch::kUInt8 && qs.is_contiguous() && qs.size(1) * 2 == x.size(1), "bad Q4_1 blocks");
+  TORCH_CHECK(d.is_contiguous() && m.is_contiguous() && d.dtype() == torch::kFloat32 && m.dtype() == torch::kFloat32, "bad Q4_1 scales");
+  return linear(Q4_1{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), x.size(1)}, x, qs.size(0));
+}
+
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
+  TORCH_CHECK(qs.dtype() == torch::kInt8 && qs.is_contiguous() && qs.size(1) == x.size(1), "bad Q8_0 blocks");
+  TORCH_CHECK(d.is_contiguous() && d.dtype() == torch::kFloat32, "bad Q8_0 scales");
+  return linear(Q8_0{qs.data_ptr<int8_t>(), d.data_ptr<float>(), x.size(1)}, x, qs.size(0));
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("q4_1_linear", &q4_1_linear, "x @ W^T with W in GGUF Q4_1 blocks");
+  module.def("q8_0_linear", &q8_0_linear, "x @ W^T with W in GGUF Q8_0 blocks");
+}

@@ -1,0 +1,74 @@
+"""GGUF block weights and their compiled kernel: exact weights, float32-level products, invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.engine.quant import BlockLinear, BlockWeight, _unpermute_rows, kernels
+
+
+def _random_q4_1(n: int, k: int, seed: int = 0) -> BlockWeight:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g, dtype=torch.uint8)
+    qs = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, k // 2).contiguous()
+    d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()  # scales are float16 in GGUF
+    m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+    return BlockWeight("q4_1", qs, d, m)
+
+
+def _random_q8_0(n: int, k: int, seed: int = 0) -> BlockWeight:
+    g = torch.Generator().manual_seed(seed)
+    qs = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+    return BlockWeight("q8_0", qs, d)
+
+
+def test_q4_1_dequantization_follows_the_gguf_layout():
+    w = _random_q4_1(3, 64)
+    dense = w.dequantize()
+    for row in range(3):
+        for block in range(2):
+            byte = w.qs[row, block * 16 + 5].item()
+            d, m = w.d[row, block].item(), w.m[row, block].item()
+            assert dense[row, block * 32 + 5].item() == pytest.approx(d * (byte & 15) + m, abs=0)
+            assert dense[row, block * 32 + 21].item() == pytest.approx(d * (byte >> 4) + m, abs=0)
+
+
+def test_unpermuted_rows_match_transformers_reverse_permute():
+    # transformers: w.reshape(n_head, dim, 2, ...).swapaxes(2, 1).reshape(w.shape)
+    n_head, rows = 3, 12
+    w = torch.arange(rows * 2).reshape(rows, 2)
+    expected = w.reshape(n_head, rows // n_head // 2, 2, 2).swapaxes(2, 1).reshape(w.shape)
+    assert torch.equal(w[_unpermute_rows(rows, n_head)], expected)
+
+
+needs_kernels = pytest.mark.skipif(kernels() is None, reason="block kernels unavailable on this CPU (no AVX-512)")
+
+
+@needs_kernels
+@pytest.mark.parametrize("make", [_random_q4_1, _random_q8_0])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 17, 33])
+def test_block_kernel_equals_float32_matmul_of_the_dequantized_weights(make, rows):
+    w = make(70, 576)  # 70 output rows: not a multiple of the kernel's 4-row tiles
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    y = BlockLinear(w, kernels())(x)
+    expected = x.double() @ w.dequantize().double().T
+    torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
+def test_block_kernel_rows_do_not_depend_on_the_rest_of_the_batch():
+    linear = BlockLinear(_random_q4_1(64, 1536), kernels())
+    x = torch.randn(20, 1536, generator=torch.Generator().manual_seed(1))
+    together = linear(x)
+    for start, stop in ((0, 1), (3, 8), (5, 20)):
+        assert torch.equal(linear(x[start:stop]), together[start:stop])
+
+
+@needs_kernels
+def test_embedded_model_uses_block_kernels_with_exact_weights(embedded_engine):
+    # Every block matrix was checked bit for bit against transformers' weights when the GGUF
+    # was converted; a mismatch would leave that layer on float32 weights.
+    forward = embedded_engine.forward
+    assert forward.block_kernels and forward.lm_head.block is not None
