@@ -37,6 +37,12 @@ bench: install
 bench-drafter: install
 	$(PY) -m loadtests.bench_drafter
 
+bench-grammar: install
+	$(PY) -m loadtests.bench_grammar
+
+bench-tokenizer: install
+	$(PY) -m loadtests.bench_tokenizer
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
 

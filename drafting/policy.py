@@ -16,6 +16,11 @@ Both probabilities are estimated online per request from what was accepted, with
 forgetting so that the estimate follows the text (a response alternates between copying and
 writing freely). ``a1`` is kept per match-length bucket, because a 1-token suffix match is a
 much weaker signal than an 8-token one; ``an`` is shared.
+
+Several requests decoding together share one pass, and there the question is different: the
+pass already has a row per request, so a draft token costs the extra row it adds, and it is worth
+it only if it is likely enough. ``DraftLengthPolicy.allocate`` sizes all the drafts of a pass
+together by the same rule over the whole pass (tokens per second of the pass).
 """
 
 from __future__ import annotations
@@ -83,27 +88,64 @@ def expected_yield(k: int, a1: float, an: float) -> float:
 
 
 class DraftLengthPolicy:
-    """Chooses the draft length from a measured cost curve and a request's acceptance stats."""
+    """Chooses draft lengths from a measured cost curve and the requests' acceptance stats."""
 
     def __init__(self, cost: Sequence[float]) -> None:
         """``cost[t]`` = seconds of one forward pass over t tokens, for t = 1..len(cost)-1."""
         if len(cost) < 2 or any(c <= 0 for c in cost[1:]):
             raise ValueError("cost curve needs positive costs for 1.. tokens")
         self.cost = list(cost)
+        last = len(self.cost) - 1
+        # Beyond the measured tokens a pass grows linearly (the weights are read once either way;
+        # every extra row adds the same arithmetic): continue the slope of the curve's last half.
+        first = max(1, last // 2)
+        self._slope = (self.cost[last] - self.cost[first]) / (last - first) if last > first else self.cost[last]
 
     @property
     def max_draft(self) -> int:
         return len(self.cost) - 2
 
+    def cost_at(self, tokens: int) -> float:
+        """Seconds of a pass over ``tokens`` rows, measured or extrapolated."""
+        last = len(self.cost) - 1
+        if tokens <= last:
+            return self.cost[max(tokens, 1)]
+        return self.cost[last] + self._slope * (tokens - last)
+
     def choose(self, max_len: int, a1: float, an: float) -> int:
-        """The draft length in 0..max_len with the most expected tokens per second."""
-        max_len = min(max_len, self.max_draft)
-        best_k, best_rate = 0, 1.0 / self.cost[1]
-        total, reach = 1.0, a1
-        for k in range(1, max_len + 1):
-            total += reach
-            reach *= an
-            rate = total / self.cost[k + 1]
+        """The draft length in 0..max_len with the most expected tokens per second (one request)."""
+        return self.allocate([(1, 1.0, a1, an, max_len)])[0]
+
+    def allocate(self, requests: Sequence[tuple[int, float, float, float, int]]) -> list[int]:
+        """Draft lengths for all the requests of one forward pass.
+
+        Each request is ``(rows, tokens, a1, an, max_len)``: it feeds ``rows`` tokens to the pass
+        anyway (its pending token and forced tokens, or a prompt chunk), which yield ``tokens``
+        output tokens, and it may add up to ``max_len`` draft tokens. Draft token j of a request
+        adds ``a1 * an^(j-1)`` expected tokens, and these gains fall with j, so the best m drafts
+        of the whole pass are the m largest gains; the pass takes the m in 0..sum(max_len) with
+        the most expected tokens per second, ``(tokens + gains) / cost(rows + m)``. With one
+        request feeding one token this is the single-request rule in the module docstring; with
+        several, a draft token has to pay for its row in a pass that already has many rows, so
+        a batch drafts only its likeliest tokens.
+        """
+        rows = sum(r for r, _, _, _, _ in requests)
+        base = sum(t for _, t, _, _, _ in requests)
+        gains: list[tuple[float, int]] = []
+        for index, (_, _, a1, an, max_len) in enumerate(requests):
+            reach = a1
+            for _ in range(min(max_len, self.max_draft)):
+                gains.append((reach, index))
+                reach *= an
+        gains.sort(key=lambda g: -g[0])  # stable: a request's earlier drafts stay first on ties
+        best_m, best_rate = 0, base / self.cost_at(rows)
+        total = base
+        for m, (gain, _) in enumerate(gains, 1):
+            total += gain
+            rate = total / self.cost_at(rows + m)
             if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+                best_m, best_rate = m, rate
+        lengths = [0] * len(requests)
+        for _, index in gains[:best_m]:
+            lengths[index] += 1
+        return lengths

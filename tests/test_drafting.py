@@ -169,6 +169,46 @@ def test_policy_choice_is_the_best_expected_rate():
             assert rates[k] == max(rates)
 
 
+def test_policy_batch_allocation_is_the_best_expected_rate_of_the_pass():
+    """Brute force over every combination of draft lengths for three requests."""
+    import itertools
+
+    cost = [0.0, 1.0, 1.1, 1.25, 1.45, 1.7, 2.0, 2.35]
+    policy = DraftLengthPolicy(cost)
+    requests = [(1, 1.0, 0.9, 0.8, 3), (2, 2.0, 0.3, 0.9, 2), (1, 1.0, 0.6, 0.5, 3)]  # rows, tokens, a1, an, max_len
+    best = max(
+        itertools.product(*(range(r[4] + 1) for r in requests)),
+        key=lambda ks: sum(r[1] + expected_yield(k, r[2], r[3]) - 1 for r, k in zip(requests, ks))
+        / policy.cost_at(sum(r[0] + k for r, k in zip(requests, ks))),
+    )
+    lengths = policy.allocate(requests)
+    rate = lambda ks: sum(r[1] + expected_yield(k, r[2], r[3]) - 1 for r, k in zip(requests, ks)) / policy.cost_at(  # noqa: E731
+        sum(r[0] + k for r, k in zip(requests, ks)))
+    assert rate(lengths) == pytest.approx(rate(best))
+    assert sum(lengths) > 0
+
+
+def test_policy_drafts_less_per_request_in_a_batch():
+    # A steep curve (every row costs the same past the first): a likely draft pays alone but not
+    # when eight requests already fill the pass, where it must pay for its row like a whole request.
+    cost = [0.0] + [1.0 + 0.2 * (t - 1) for t in range(1, 18)]
+    policy = DraftLengthPolicy(cost)
+    alone = policy.choose(8, a1=0.5, an=0.7)
+    batch = policy.allocate([(1, 1.0, 0.5, 0.7, 8)] * 8)
+    assert alone > 0
+    assert batch == [0] * 8
+    sure = policy.allocate([(1, 1.0, 0.99, 0.99, 8)] * 8)  # near-certain drafts still pay
+    assert all(k > 0 for k in sure)
+
+
+def test_policy_cost_beyond_the_measured_curve_is_linear():
+    cost = [0.0] + [1.0 + 0.1 * (t - 1) for t in range(1, 18)]
+    policy = DraftLengthPolicy(cost)
+    assert policy.cost_at(17) == pytest.approx(2.6)
+    assert policy.cost_at(27) == pytest.approx(3.6)
+    assert policy.cost_at(0) == cost[1]
+
+
 def test_acceptance_stats_follow_observations():
     stats = AcceptanceStats()
     for _ in range(30):

@@ -8,14 +8,15 @@ from typing import Any
 import torch
 
 
-def measure_cost_curve(forward: Any, max_tokens: int, context: int = 512, repeats: int = 5) -> list[float]:
+def measure_cost_curve(forward: Any, max_tokens: int, context: int = 512, repeats: int = 9) -> list[float]:
     """``cost[t]`` = seconds of one pass feeding t tokens after ``context`` cached ones.
 
     ``cost[0]`` is 0. Points are measured at 1, 2, 3, 4, 6, 8, 12, 16, ... and interpolated in
     between; the curve is made non-decreasing (a longer pass never costs less; noise aside).
     Other work on the machine only ever adds time, so each point is the *minimum* of
     ``repeats`` timings, taken round-robin over the points so that a burst of outside load
-    spoils one sample of several points rather than every sample of one.
+    spoils one sample of several points rather than every sample of one. (With 5 repeats, busy
+    neighbours on 2 shared vCPUs still left some points up to 2x high; 9 take about 3 s.)
     """
     context = max(1, min(context, forward.max_positions - max_tokens - 1))
     vocab = forward.vocab_size

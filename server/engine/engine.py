@@ -99,7 +99,7 @@ class SequenceStats:
 
 @dataclass
 class _Plan:
-    tokens: list[TokenId]  # fed to the model this step: pending + forced + draft
+    tokens: list[TokenId]  # fed to the model this step: pending + forced (+ draft, once sized)
     num_logits: int  # logits needed (0 while prefilling)
     draft: list[TokenId]
     bucket: int
@@ -225,6 +225,7 @@ class Engine:
         decoding = sum(len(s.pending) == 1 for s in running)
         chunk = self.prefill_chunk_busy if decoding else self.prefill_chunk
         plans = [self._plan(s, chunk) for s in running]
+        self._size_drafts(running, plans)
         # 2. One forward pass over everything.
         logits = self.forward.forward([(s.cache, p.tokens, p.num_logits) for s, p in zip(running, plans)])
         # 3-4. Accept, commit, emit.
@@ -232,6 +233,7 @@ class Engine:
         return [outputs.get(id(s)) for s in sequences]
 
     def _plan(self, seq: Generation, chunk: int) -> _Plan:
+        """What ``seq`` feeds this step, with its longest possible draft (sized later)."""
         if len(seq.pending) > chunk:
             return _Plan(seq.pending[:chunk], 0, [], 0)
         room = seq.params.max_tokens - len(seq.output_ids)
@@ -240,28 +242,48 @@ class Engine:
             # Forced tokens are certain: the grammar state moves past them now.
             forced = seq.grammar.forced_tokens()[:room] if seq.request.speculation.fast_forward else []
             seq.grammar.consume(forced)
-        draft, bucket = self._draft(seq, forced, room - len(forced) - 1)
-        masks = None
+        draft, bucket = self._propose(seq, forced, room - len(forced) - 1)
         if seq.grammar is not None:
             draft = draft[: seq.grammar.validate(draft)]  # the longest prefix the grammar allows
-            masks = seq.grammar.masks(draft)
-        return _Plan(seq.pending + forced + draft, len(forced) + 1 + len(draft), draft, bucket, forced, masks)
+        return _Plan(seq.pending + forced, len(forced) + 1, draft, bucket, forced)
 
-    def _draft(self, seq: Generation, forced: list[TokenId], budget: int) -> tuple[list[TokenId], int]:
+    def _propose(self, seq: Generation, forced: list[TokenId], budget: int) -> tuple[list[TokenId], int]:
         """The n-gram draft that continues after the forced tokens (the pass itself yields one more)."""
-        if seq.drafter is None:
+        if seq.drafter is None or budget <= 0:
             return [], 0
-        budget = min(seq.max_draft, budget)
-        proposal = seq.drafter.propose(budget, after=forced)
+        proposal = seq.drafter.propose(min(seq.max_draft, budget), after=forced)
         if not proposal:
             return [], 0
-        bucket = match_bucket(seq.drafter.last_match_length)
-        if self.policy is not None:
-            k = self.policy.choose(len(proposal), seq.acceptance.first_accept(bucket), seq.acceptance.next.mean)
-            proposal = proposal[:k]
-        if seq.params.stop and proposal:
-            proposal = self._cut_at_stop_string(seq, forced, proposal)
-        return proposal, bucket
+        return proposal, match_bucket(seq.drafter.last_match_length)
+
+    def _size_drafts(self, running: Sequence[Generation], plans: list[_Plan]) -> None:
+        """Cut every draft to the length that pays in this pass, then finish the plans.
+
+        The policy sizes the drafts of all requests together (``DraftLengthPolicy.allocate``):
+        alone, a request drafts what its acceptance and the cost curve pay for; in a batch, a
+        draft token must pay for its own row in a pass that already has one per request.
+        """
+        if self.policy is not None and any(p.draft for p in plans):
+            # Prompt chunks in the pass are left out: they run through the float32 GEMM, not the
+            # rows the curve measures, and drafting more because a chunk makes the pass slow
+            # anyway would make that prompt's first token later still. A request reading the last
+            # chunk of its prompt counts like one feeding a single token.
+            sizing = [(s, p) for s, p in zip(running, plans) if p.num_logits > 0]
+            lengths = self.policy.allocate([
+                (1 + len(p.forced), p.num_logits, s.acceptance.first_accept(p.bucket), s.acceptance.next.mean, len(p.draft))
+                for s, p in sizing
+            ])
+            for (_, p), k in zip(sizing, lengths):
+                p.draft = p.draft[:k]
+        for seq, p in zip(running, plans):
+            if p.num_logits == 0:
+                continue
+            if seq.params.stop and p.draft:
+                p.draft = self._cut_at_stop_string(seq, p.forced, p.draft)
+            if seq.grammar is not None:
+                p.masks = seq.grammar.masks(p.draft)
+            p.tokens = p.tokens + p.draft
+            p.num_logits += len(p.draft)
 
     def _cut_at_stop_string(self, seq: Generation, forced: list[TokenId], draft: list[TokenId]) -> list[TokenId]:
         """Never draft past a stop string: end the draft at the token that completes one."""

@@ -95,7 +95,7 @@ def choose_device(device: str) -> torch.device:
 
 
 def choose_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` is float32 on every device: exactness first (README, "Choosing the dtype")."""
+    """``auto`` is float32 on every device: exactness first (README, "Choices, measured")."""
     if dtype == "auto":
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
