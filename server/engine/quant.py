@@ -13,7 +13,7 @@ block matrix, de-quantised here, must equal transformers' float32 weight bit for
 not used. The kernel then differs from a float32 matmul of the same weights only in the order of
 its additions (about 1e-6 relative), like any two BLAS libraries.
 
-The kernel is compiled once per machine (about 30 s, with the system C++ compiler, cached under
+The kernel is compiled once per machine (about a minute, with the system C++ compiler, cached under
 the Parrot cache directory) and only on CPUs with AVX-512; elsewhere, or if compiling fails,
 Parrot logs why and uses float32 weights.
 """
@@ -23,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -67,6 +69,12 @@ def kernels() -> Any | None:
         return None
     from torch.utils.cpp_extension import load
 
+    # torch runs `ninja` from PATH; the ninja package installs it next to this interpreter, which
+    # is not on PATH when the virtualenv's python is run without activating it.
+    bindir = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=bindir) is not None:
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
     from server.engine.loader import cache_root
 
     with open(SOURCE, "rb") as f:
@@ -74,7 +82,7 @@ def kernels() -> Any | None:
     build = os.path.join(cache_root(), "kernels", f"quant_linear_{digest}")
     os.makedirs(build, exist_ok=True)
     if not os.listdir(build):
-        log.info("compiling the block-format kernels (once per machine, about 30 s)")
+        log.info("compiling the block-format kernels (once per machine, about a minute)")
     try:
         return load(
             name=f"parrot_quant_linear_{digest}",
