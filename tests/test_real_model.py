@@ -28,9 +28,13 @@ MAX_TOKENS = 40
 NEAR_TIE = 1e-3
 
 
+FALLBACK = Path(__file__).resolve().parent / "data" / "fallback_prompts.jsonl"
+
+
 def _prompts() -> list[tuple[str, str]]:
-    if not DATA.is_dir():
-        pytest.skip(f"evaluation data not found at {DATA}")
+    if not DATA.is_dir():  # a checkout without ../shared beside it: 20 permissively licensed copies
+        with open(FALLBACK) as f:
+            return [(row["id"], row["prompt"]) for row in map(json.loads, f)]
     prompts = []
     for task in TASKS:
         with open(DATA / f"{task}.jsonl") as f:

@@ -230,9 +230,17 @@ def test_load_generator_records_every_request_and_agrees_with_server_stats(stats
 
     from loadtests.load import build_parser, main_async, write_results
 
+    # Its own small task file, so that the test does not depend on where ../shared/data is.
+    data = tmp_path / "data"
+    data.mkdir()
+    sentences = ["she go to school every days.", "He have two cat.", "They was happy yesterday."]
+    (data / "grammar.jsonl").write_text("".join(
+        json.dumps({"id": f"g{i}", "task": "grammar", "prompt": "Correct the grammar: " + s}) + "\n"
+        for i, s in enumerate(sentences)))
     before = httpx.get(stats_server.url + "/v1/stats").json()["window"]
-    args = build_parser().parse_args(["--url", stats_server.url, "--mix", "grammar", "--concurrency", "1,2", "--compare",
-                                      "--requests", "2", "--max-tokens", "6", "--warmup", "0"])
+    args = build_parser().parse_args(["--url", stats_server.url, "--data", str(data), "--mix", "grammar",
+                                      "--concurrency", "1,2", "--compare", "--requests", "2", "--max-tokens", "6",
+                                      "--warmup", "0"])
     result = asyncio.run(main_async(args))
     text = write_results(result, tmp_path, "load")
     after = httpx.get(stats_server.url + "/v1/stats").json()["window"]

@@ -153,8 +153,9 @@ def test_pretokenizer_matches_tokenizers_on_real_text(embedded_tokenizer, token_
     for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "*.jsonl"))):
         with open(path, encoding="utf-8") as f:
             texts += [json.loads(line)["prompt"] for line in f][:40]
-    if not texts:
-        pytest.skip("shared/data is not there")
+    if not texts:  # a checkout without ../shared beside it: the bundled copies
+        with open(os.path.join(os.path.dirname(__file__), "data", "fallback_prompts.jsonl"), encoding="utf-8") as f:
+            texts = [json.loads(line)["prompt"] for line in f]
     text = "\n\n".join(texts)
     pre = embedded_tokenizer.hf.backend_tokenizer.pre_tokenizer
     ours = [(s, e) for s, e, _ in token_budget.pretokenizer.scan(text)]
