@@ -84,8 +84,8 @@ class Linear:
             bias = torch.cat([b if b is not None else m.weight.new_zeros(m.out_features) for m, b in zip(modules, biases)])
         self.dense = PackedLinear(weight, bias)
         self.block: Any = None
-        parts = [blocks.get(name) for name in names]
-        if kernels is not None and bias is None and all(p is not None for p in parts) and len({p.kind for p in parts}) == 1:
+        parts: list[BlockWeight] = [blocks[name] for name in names if name in blocks]
+        if kernels is not None and bias is None and len(parts) == len(names) and len({p.kind for p in parts}) == 1:
             self.block = BlockLinear(BlockWeight.cat(parts) if len(parts) > 1 else parts[0], kernels)
 
     def __call__(self, x: torch.Tensor, small: bool = False) -> torch.Tensor:
