@@ -15,16 +15,23 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from server.errors import APIError
 
 
+def valid_unicode(value: str) -> str:
+    """``value`` unchanged, or ValueError naming the first lone surrogate (JSON allows "\\ud800",
+    UTF-8 does not)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"lone surrogate U+{ord(value[exc.start]):04X} at offset {exc.start} has no UTF-8 encoding; "
+            "send valid Unicode text"
+        ) from None
+    return value
+
+
 def _check_unicode(value: Any) -> None:
-    """Reject lone surrogates (JSON allows "\\ud800", UTF-8 does not) anywhere in a value."""
+    """Reject lone surrogates anywhere in a value."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(
-                f"lone surrogate U+{ord(value[exc.start]):04X} at offset {exc.start} has no UTF-8 encoding; "
-                "send valid Unicode text"
-            ) from None
+        valid_unicode(value)
     elif isinstance(value, (list, tuple)):
         for item in value:
             _check_unicode(item)

@@ -12,22 +12,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field, Strict, field_validator
 
-from server.schemas import ChatMessage, _Strict
+from server.schemas import ChatMessage, _Strict, valid_unicode
 
 StrictInt = Annotated[int, Strict()]
 Budget = Annotated[int, Strict(), Field(ge=1)]
-
-
-def valid_unicode(value: str) -> str:
-    """``value`` unchanged, or ValueError naming the first lone surrogate."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"lone surrogate U+{ord(value[exc.start]):04X} at offset {exc.start} has no UTF-8 encoding; "
-            "send valid Unicode text"
-        ) from None
-    return value
 
 
 class TokenizeRequest(_Strict):

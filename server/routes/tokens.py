@@ -26,14 +26,13 @@ from fastapi import APIRouter, Request
 from server.engine.loader import LoadedModel
 from server.errors import APIError
 from server.routes.generation import check_model, state_of
-from server.schemas import ChatCompletionRequest
+from server.schemas import ChatCompletionRequest, valid_unicode
 from server.schemas_tokens import (
     ChunkRequest,
     CountRequest,
     DetokenizeRequest,
     TokenizeRequest,
     TruncateRequest,
-    valid_unicode,
 )
 from tokenizer import TokenBudget, Tokenizer
 
