@@ -260,3 +260,35 @@ def test_grammar_compiler_caches_and_rejects(compiler):
     assert compiler.compile("json_schema", json.dumps(SCHEMAS[0])) == a
     with pytest.raises(GrammarError, match="unclosed"):
         compiler.compile("regex", "(")
+
+
+# A scripted model in front of the real tokenizer and grammar engine.
+TWO_KEYS = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 10}, "b": {"type": "string", "maxLength": 10}},
+            "required": ["a", "b"], "additionalProperties": False}
+
+
+def _scripted_engine(tokenizer, prompt: str, output_pieces: list[str], drafting: bool = True):
+    from server.config import DraftingConfig
+    from server.engine.engine import Engine
+    from tests.tiny import ScriptedForward
+
+    prompt_ids = tokenizer.encode(prompt)
+    output = [t for piece in output_pieces for t in tokenizer.encode(piece)]
+    forward = ScriptedForward(prompt_ids + output, tokenizer.vocab_size, eos=min(tokenizer.eos_token_ids))
+    cost = [0.0] + [1.0 + 0.05 * (t - 1) for t in range(1, 18)]
+    return Engine(forward, tokenizer, DraftingConfig(enabled=drafting), cost), prompt_ids, output
+
+
+def test_a_draft_that_completes_the_grammar_ends_the_output_there(compiler):
+    """The prompt holds the answer, so one draft runs to the closing brace; the output stops at
+    the grammar's end as in plain decoding, without the EOS the model is then made to write."""
+    tokenizer = compiler.tokenizer
+    answer = '{"a":"xyz","b":"uvw"}'
+    results = {}
+    for drafting in (False, True):
+        engine, prompt, output = _scripted_engine(tokenizer, "Copy: " + answer, [answer], drafting)
+        results[drafting] = engine.generate(GenerationRequest(
+            prompt, SamplingParams(max_tokens=50), SpeculationParams(enabled=drafting),
+            grammar=compiler.new_state(compiler.compile("json_schema", TWO_KEYS))))
+        assert results[drafting].token_ids == output and results[drafting].finish_reason == "stop"
+    assert results[True].stats.accepted_tokens >= 3 and results[True].stats.forward_passes <= 2

@@ -82,3 +82,44 @@ def tiny_engine(
     if cost is None and drafting.adaptive:
         cost = [0.0] + [1.0 + 0.02 * t for t in range(drafting.max_draft + 1)]
     return Engine(forward, TinyTokenizer(vocab_size), drafting, cost, prefill_chunk)  # type: ignore[arg-type]
+
+
+class ScriptedCache:
+    def __init__(self) -> None:
+        self.length = 0
+
+    def crop(self, length: int) -> None:
+        self.length = length
+
+
+class ScriptedForward:
+    """A "model" whose greedy choice at every position is the next token of a fixed script.
+
+    ``script`` is the whole sequence (prompt + the output the model should write); past its end
+    the model writes ``eos``. Lets engine tests put exact token sequences (a grammar's spellings, a
+    draft that completes a grammar) in front of the real tokenizer and grammar engine.
+    """
+
+    max_positions = 4096
+
+    def __init__(self, script: Sequence[int], vocab_size: int, eos: int = EOS) -> None:
+        self.script = list(script)
+        self.vocab_size = vocab_size
+        self.eos = eos
+        self.passes: list[int] = []  # tokens fed per pass
+
+    def new_cache(self, capacity: int) -> ScriptedCache:
+        return ScriptedCache()
+
+    def forward(self, batch: Sequence[tuple[ScriptedCache, Sequence[int], int]]) -> list[torch.Tensor]:
+        out = []
+        for cache, tokens, num_logits in batch:
+            first = cache.length + len(tokens) - num_logits  # position of the first row with logits
+            cache.length += len(tokens)
+            self.passes.append(len(tokens))
+            logits = torch.zeros(num_logits, self.vocab_size)
+            for row in range(num_logits):
+                nxt = first + row + 1
+                logits[row, self.script[nxt] if nxt < len(self.script) else self.eos] = 10.0
+            out.append(logits)
+        return out

@@ -314,16 +314,24 @@ class Engine:
         seq.stats.forced_tokens += len(forced)
         seq.acceptance.observe(plan.bucket, len(draft), num_accepted)
 
-        # Stops that end on a token: EOS / stop token ids, a completed grammar, then max_tokens.
+        # Stops that end on a token: a completed grammar, EOS / stop token ids, then max_tokens.
         finish: FinishReason | None = None
-        for i, token in enumerate(tokens):
-            if token in seq.stop_token_ids:
-                tokens, finish = tokens[: i + 1], "stop"
-                break
-        if seq.grammar is not None and finish is None:
-            seq.grammar.consume(verified)
-            if seq.grammar.stopped:  # nothing but EOS may follow: the output is complete
-                finish = "stop"
+        if seq.grammar is not None:
+            # Once the grammar is complete nothing but EOS may follow: the output ends there, with
+            # or without drafts (an accepted draft can complete it mid-pass, before the EOS after it).
+            for i, token in enumerate(verified):
+                if seq.grammar.stopped or token in seq.stop_token_ids:
+                    break
+                seq.grammar.consume([token])
+            else:
+                i = len(verified)
+            if seq.grammar.stopped:
+                tokens, finish = tokens[: len(forced) + i], "stop"
+        if finish is None:
+            for i, token in enumerate(tokens):
+                if token in seq.stop_token_ids:
+                    tokens, finish = tokens[: i + 1], "stop"
+                    break
         room = seq.params.max_tokens - len(seq.output_ids)
         if len(tokens) >= room:
             tokens = tokens[:room]
