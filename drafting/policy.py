@@ -15,7 +15,8 @@ predict, speculation costs (almost) nothing.
 Both probabilities are estimated online per request from what was accepted, with exponential
 forgetting so that the estimate follows the text (a response alternates between copying and
 writing freely). ``a1`` is kept per match-length bucket, because a 1-token suffix match is a
-much weaker signal than an 8-token one; ``an`` is shared.
+much weaker signal than an 8-token one, and in a bucket of its own for drafts that spell the
+bytes a grammar forces (``GRAMMAR_BUCKET``); ``an`` is shared.
 
 Several requests decoding together share one pass, and there the question is different: the
 pass already has a row per request, so a draft token costs the extra row it adds, and it is worth
@@ -27,6 +28,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+GRAMMAR_BUCKET = 6  # drafts that start with the grammar's forced bytes (see Grammar.spelled_forced)
 
 
 def match_bucket(match_length: int) -> int:

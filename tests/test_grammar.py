@@ -262,9 +262,24 @@ def test_grammar_compiler_caches_and_rejects(compiler):
         compiler.compile("regex", "(")
 
 
-# A scripted model in front of the real tokenizer and grammar engine.
+# Forced bytes that the canonical back-off leaves out are drafted, spelled the model's way.
 TWO_KEYS = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 10}, "b": {"type": "string", "maxLength": 10}},
             "required": ["a", "b"], "additionalProperties": False}
+
+
+def test_held_back_forced_bytes_are_spelled_as_the_model_began_them_before(compiler):
+    tokenizer = compiler.tokenizer
+    grammar = compiler.new_state(compiler.compile("json_schema", TWO_KEYS))
+    grammar.consume(grammar.forced_tokens())  # {"a
+    # What is left of the forced bytes, in the tokenizer's spelling: one token.
+    assert [tokenizer.decode([t]) for t in grammar.spelled_forced()] == ['":"']
+    # Masks over a draft are not the model's choice: nothing is learned from them.
+    grammar.masks(tokenizer.encode('":"'))
+    # The model begins them with '":' (then '"'): next time the same bytes are spelled so.
+    for piece in ['":', '"', "xyz", '",']:
+        grammar.consume(tokenizer.encode(piece))
+    grammar.consume(grammar.forced_tokens())  # "b
+    assert [tokenizer.decode([t]) for t in grammar.spelled_forced()] == ['":', '"']
 
 
 def _scripted_engine(tokenizer, prompt: str, output_pieces: list[str], drafting: bool = True):
@@ -277,6 +292,22 @@ def _scripted_engine(tokenizer, prompt: str, output_pieces: list[str], drafting:
     forward = ScriptedForward(prompt_ids + output, tokenizer.vocab_size, eos=min(tokenizer.eos_token_ids))
     cost = [0.0] + [1.0 + 0.05 * (t - 1) for t in range(1, 18)]
     return Engine(forward, tokenizer, DraftingConfig(enabled=drafting), cost), prompt_ids, output
+
+
+@pytest.mark.parametrize("drafting", [False, True])
+def test_spelled_forced_drafts_are_verified_and_accepted(compiler, drafting):
+    """A model that writes '":' then '"' where the tokenizer would write '":"': the first spelled
+    draft is rejected, the second (learned) one accepted; the output is the model's either way."""
+    tokenizer = compiler.tokenizer
+    engine, prompt, output = _scripted_engine(
+        tokenizer, "Write JSON.", ['{"', "a", '":', '"', "xyz", '",', '"', "b", '":', '"', "uvw", '"}'], drafting)
+    result = engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=50), SpeculationParams(enabled=drafting),
+                                               grammar=compiler.new_state(compiler.compile("json_schema", TWO_KEYS))))
+    assert result.token_ids == output and result.finish_reason == "stop"
+    assert result.stats.forced_tokens == 4  # {" a, then " b
+    if drafting:
+        assert result.stats.drafted_tokens >= 3 and result.stats.accepted_tokens >= 2
+        assert result.stats.forward_passes < len(output) - result.stats.forced_tokens
 
 
 def test_a_draft_that_completes_the_grammar_ends_the_output_there(compiler):

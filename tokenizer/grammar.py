@@ -6,6 +6,7 @@ into an llguidance grammar, validates it against the served tokenizer (an invali
 state of one request, with verbs that say what happens to it:
 
 - ``forced_tokens()``: tokens the grammar allows as the only continuation (fast-forward);
+- ``spelled_forced()``: the forced bytes that fast-forward left out, spelled as tokens (a draft);
 - ``validate(tokens)``: how many of ``tokens`` the grammar allows from here (drafts are cut there);
 - ``masks(forced, draft)``: the allowed-token bitmask at every verified position;
 - ``consume(tokens)`` / ``rollback(n)``.
@@ -85,6 +86,9 @@ class Grammar:
         self.index = index
         self.vocab_size = vocab_size
         self.fast_forward = fast_forward
+        # Forced bytes -> the token the model began them with last time (see spelled_forced).
+        self._spellings: dict[bytes, TokenId] = {}
+        self._spelling_asked: bytes | None = None
 
     def _check(self) -> None:
         if self.matcher.is_error():
@@ -108,11 +112,41 @@ class Grammar:
             return []
         return canonical_prefix(tokens, self.matcher.compute_ff_bytes(), self.index)
 
+    def spelled_forced(self) -> list[TokenId]:
+        """The bytes the grammar forces next, spelled as tokens; [] if none.
+
+        Call after consuming ``forced_tokens()``: what is left is what the canonical back-off held
+        back (``"`` before a string value, ``":"`` after a key). Their tokens are likely but not
+        certain, since the model may merge the last of them with the text that follows, so the
+        engine drafts them (verified like any draft), never forces them. The spelling is the
+        model's own when it has begun the same bytes before in this request (it writes ``":``
+        then ``"`` where the tokenizer would write ``":"``), else the tokenizer's.
+        """
+        if not self.fast_forward or self.stopped:
+            return []
+        data = bytes(self.matcher.compute_ff_bytes())
+        if not data:
+            return []
+        self._spelling_asked = data  # the next consumed token shows how the model begins them
+        first = self._spellings.get(data)
+        head = [first] if first is not None else []
+        rest = data[len(self.index.bytes_of[first]) :] if first is not None else data
+        text = rest.decode("utf-8", errors="ignore")  # drops a character cut at the end
+        tokens = head + (self.index.tokenizer.encode(text) if text else [])
+        return tokens[: self.validate(tokens)]
+
     def validate(self, tokens: list[TokenId]) -> int:
         """How many of ``tokens`` (a prefix) the grammar allows from the current state."""
         return int(self.matcher.validate_tokens(tokens)) if tokens else 0
 
     def consume(self, tokens: list[TokenId]) -> None:
+        if tokens and self._spelling_asked is not None:
+            data, self._spelling_asked = self._spelling_asked, None
+            if data.startswith(self.index.bytes_of[tokens[0]]):
+                self._spellings[data] = tokens[0]
+        self._advance(tokens)
+
+    def _advance(self, tokens: list[TokenId]) -> None:
         if tokens and not self.matcher.consume_tokens(tokens):
             self._check()
             raise GrammarError("the grammar rejected a token it had allowed")
@@ -128,7 +162,7 @@ class Grammar:
         """
         masks = [self.matcher.compute_bitmask()]
         for token in draft:
-            self.consume([token])
+            self._advance([token])
             masks.append(self.matcher.compute_bitmask())
         self.rollback(len(draft))
         return masks

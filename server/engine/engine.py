@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from drafting import AcceptanceStats, DraftLengthPolicy, NGramDrafter, SuffixDrafter, match_bucket
+from drafting import GRAMMAR_BUCKET, AcceptanceStats, DraftLengthPolicy, NGramDrafter, SuffixDrafter, match_bucket
 from server.config import DraftingConfig
 from server.engine.sampling import Sampler, SamplingParams
 from server.engine.textout import TextAssembler
@@ -242,9 +242,12 @@ class Engine:
             # Forced tokens are certain: the grammar state moves past them now.
             forced = seq.grammar.forced_tokens()[:room] if seq.request.speculation.fast_forward else []
             seq.grammar.consume(forced)
-        draft, bucket = self._propose(seq, forced, room - len(forced) - 1)
+        budget = room - len(forced) - 1
+        draft, bucket = self._propose(seq, forced, budget)
         if seq.grammar is not None:
             draft = draft[: seq.grammar.validate(draft)]  # the longest prefix the grammar allows
+            if not draft:
+                draft, bucket = self._spell_forced(seq, seq.grammar, forced, budget)
         return _Plan(seq.pending + forced, len(forced) + 1, draft, bucket, forced)
 
     def _propose(self, seq: Generation, forced: list[TokenId], budget: int) -> tuple[list[TokenId], int]:
@@ -255,6 +258,20 @@ class Engine:
         if not proposal:
             return [], 0
         return proposal, match_bucket(seq.drafter.last_match_length)
+
+    def _spell_forced(self, seq: Generation, grammar: Grammar, forced: list[TokenId], budget: int) -> tuple[list[TokenId], int]:
+        """A draft for when the grammar allows none of the n-gram's: the forced bytes that the
+        canonical back-off held back (the ``"`` that opens a value, say), then the n-gram's
+        continuation after them."""
+        if seq.drafter is None or budget <= 0:
+            return [], 0
+        budget = min(seq.max_draft, budget)
+        spelled = grammar.spelled_forced()[:budget]
+        if not spelled:
+            return [], 0
+        more, _ = self._propose(seq, forced + spelled, budget - len(spelled))
+        draft = spelled + more
+        return draft[: grammar.validate(draft)], GRAMMAR_BUCKET
 
     def _size_drafts(self, running: Sequence[Generation], plans: list[_Plan]) -> None:
         """Cut every draft to the length that pays in this pass, then finish the plans.
