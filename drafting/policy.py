@@ -14,9 +14,11 @@ predict, speculation costs (almost) nothing.
 
 Both probabilities are estimated online per request from what was accepted, with exponential
 forgetting so that the estimate follows the text (a response alternates between copying and
-writing freely). ``a1`` is kept per match-length bucket, because a 1-token suffix match is a
-much weaker signal than an 8-token one, and in a bucket of its own for drafts that spell the
-bytes a grammar forces (``GRAMMAR_BUCKET``); ``an`` is shared.
+writing freely). Both are kept per match-length bucket, because a 1-token suffix match is a
+much weaker signal than an 8-token one (for the first draft token and for how far the copy goes
+on), and in a bucket of their own for drafts that spell the bytes a grammar forces
+(``GRAMMAR_BUCKET``). Until a bucket has seen a draft token past the first, ``an`` is the
+request's estimate over all buckets.
 
 Several requests decoding together share one pass, and there the question is different: the
 pass already has a row per request, so a draft token costs the extra row it adds, and it is worth
@@ -66,10 +68,14 @@ class AcceptanceStats:
 
     decay: float = 0.9
     first: dict[int, _Beta] = field(default_factory=dict)
-    next: _Beta = field(default_factory=lambda: _Beta(2.0, 1.0))
+    next: _Beta = field(default_factory=lambda: _Beta(2.0, 1.0))  # all buckets together
+    next_by_bucket: dict[int, _Beta] = field(default_factory=dict)
 
     def first_accept(self, bucket: int) -> float:
         return self.first.get(bucket, _Beta(1.0, 1.0)).mean
+
+    def next_accept(self, bucket: int) -> float:
+        return self.next_by_bucket.get(bucket, self.next).mean
 
     def observe(self, bucket: int, num_drafted: int, num_accepted: int) -> None:
         """Record one verification: ``num_accepted`` of ``num_drafted`` drafts (a prefix) kept."""
@@ -80,6 +86,7 @@ class AcceptanceStats:
         reached = min(num_accepted, num_drafted - 1)
         if reached > 0:
             self.next.observe(max(num_accepted - 1, 0), reached, self.decay)
+            self.next_by_bucket.setdefault(bucket, _Beta(2.0, 1.0)).observe(max(num_accepted - 1, 0), reached, self.decay)
 
 
 def expected_yield(k: int, a1: float, an: float) -> float:

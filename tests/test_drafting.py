@@ -216,5 +216,9 @@ def test_acceptance_stats_follow_observations():
         stats.observe(bucket=1, num_drafted=2, num_accepted=0)
     assert stats.first_accept(4) > 0.9
     assert stats.first_accept(1) < 0.1
-    assert stats.next.mean > 0.9
+    assert stats.next.mean > 0.9 and stats.next_accept(4) > 0.9
     assert stats.first_accept(3) == 0.5  # unseen bucket: the uniform prior
+    assert stats.next_accept(3) == stats.next.mean  # no continuation seen there yet: all buckets'
+    for _ in range(30):
+        stats.observe(bucket=2, num_drafted=4, num_accepted=1)  # first kept, the next one never
+    assert stats.next_accept(2) < 0.1 < 0.5 < stats.next_accept(4)

@@ -287,7 +287,7 @@ class Engine:
             # chunk of its prompt counts like one feeding a single token.
             sizing = [(s, p) for s, p in zip(running, plans) if p.num_logits > 0]
             lengths = self.policy.allocate([
-                (1 + len(p.forced), p.num_logits, s.acceptance.first_accept(p.bucket), s.acceptance.next.mean, len(p.draft))
+                (1 + len(p.forced), p.num_logits, s.acceptance.first_accept(p.bucket), s.acceptance.next_accept(p.bucket), len(p.draft))
                 for s, p in sizing
             ])
             for (_, p), k in zip(sizing, lengths):
