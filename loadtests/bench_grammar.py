@@ -146,15 +146,22 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     header = (f"Grammar benchmark, {stamp}, {machine()}; model {loaded.name}; JSON extraction from "
               f"{len(records)} CNN/DailyMail articles, greedy, max_tokens {args.max_tokens}")
+    # The draft-length policy sizes drafts by the cost curve measured at start-up; its shape
+    # (what a second, third ... token adds to a pass) decides how much is drafted.
+    curve = engine.policy.cost[1:] if engine.policy is not None else []
+    curve_line = ("Forward cost curve at start-up (x one token, 1.." + str(len(curve)) + " tokens): "
+                  + " ".join(f"{c / curve[0]:.2f}" for c in curve)) if curve else ""
     print(header)
     print(table)
+    print(curve_line)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_grammar.md").write_text(header + "\n\n" + table + "\n")
+    (args.out / "bench_grammar.md").write_text(header + "\n\n" + table + "\n\n" + curve_line + "\n")
     for r in records:
         for name in CONFIGS:
             r[name].pop("token_ids")
     (args.out / "bench_grammar.json").write_text(json.dumps(
-        {"date": stamp, "machine": machine(), "schema": SCHEMA, "summary": summary, "articles": records}, indent=1))
+        {"date": stamp, "machine": machine(), "schema": SCHEMA, "cost_curve_s": curve, "summary": summary,
+         "articles": records}, indent=1))
     return 0
 
 
