@@ -285,7 +285,7 @@ def test_held_back_forced_bytes_are_spelled_as_the_model_began_them_before(compi
 def _scripted_engine(tokenizer, prompt: str, output_pieces: list[str], drafting: bool = True):
     from server.config import DraftingConfig
     from server.engine.engine import Engine
-    from tests.tiny import ScriptedForward
+    from loadtests.scripted import ScriptedForward
 
     prompt_ids = tokenizer.encode(prompt)
     output = [t for piece in output_pieces for t in tokenizer.encode(piece)]
