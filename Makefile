@@ -8,7 +8,7 @@ PORT   ?= 8000
 # The stamp is rebuilt when the dependency list changes; otherwise `make install` is a no-op.
 STAMP  := $(VENV)/.parrot-installed
 
-.PHONY: install serve test bench bench-drafter clean
+.PHONY: install serve test bench bench-drafter bench-grammar bench-tokenizer replay-grammar clean
 
 install: $(STAMP)
 
@@ -39,6 +39,9 @@ bench-drafter: install
 
 bench-grammar: install
 	$(PY) -m loadtests.bench_grammar
+
+replay-grammar: install
+	$(PY) -m loadtests.replay_grammar
 
 bench-tokenizer: install
 	$(PY) -m loadtests.bench_tokenizer
