@@ -62,6 +62,19 @@ CONFIGS = {
 }
 
 
+def extraction_prompts(tokenizer: Any, articles: int) -> list[tuple[str, list[int]]]:
+    """(id, chat prompt token ids) of the first ``articles`` articles with the extraction instruction."""
+    prompts = []
+    with open(DATA / "summarization.jsonl") as f:
+        for line in f:
+            row = json.loads(line)
+            article = row["prompt"].split("\n\n", 1)[1]
+            prompts.append((row["id"], tokenizer.encode_chat([{"role": "user", "content": INSTRUCTION + article}])))
+            if len(prompts) == articles:
+                break
+    return prompts
+
+
 def _speed(runs: list[dict[str, Any]]) -> float:
     """End-to-end: all output tokens / all seconds, prefill included."""
     return sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)
@@ -82,17 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     loaded, engine = build_engine(load_config())
     compiler = GrammarCompiler(loaded.tokenizer)
     grammar = compiler.compile("json_schema", SCHEMA)
-    rows = []
-    with open(DATA / "summarization.jsonl") as f:
-        for line in f:
-            rows.append(json.loads(line))
-            if len(rows) == args.articles:
-                break
+    prompts = extraction_prompts(loaded.tokenizer, args.articles)
     records: list[dict[str, Any]] = []
-    for i, row in enumerate(rows):
-        article = row["prompt"].split("\n\n", 1)[1]
-        ids = loaded.tokenizer.encode_chat([{"role": "user", "content": INSTRUCTION + article}])
-        record: dict[str, Any] = {"id": row["id"]}
+    for i, (prompt_id, ids) in enumerate(prompts):
+        record: dict[str, Any] = {"id": prompt_id}
         for name, spec in CONFIGS.items():
             request = GenerationRequest(ids, SamplingParams(max_tokens=args.max_tokens), spec,
                                         grammar=compiler.new_state(grammar, spec.fast_forward))
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in CONFIGS:
             record[name]["identical"] = record[name]["token_ids"] == base
         records.append(record)
-        print(f"[{i + 1}/{len(rows)}] {row['id']}: " + ", ".join(
+        print(f"[{i + 1}/{len(prompts)}] {prompt_id}: " + ", ".join(
             f"{name} {_decode_speed([record[name]]):.1f} tok/s decode" for name in CONFIGS), file=sys.stderr)
 
     summary: dict[str, Any] = {}

@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtests.bench_engine import DATA, RESULTS, machine
-from loadtests.bench_grammar import CONFIGS, INSTRUCTION, SCHEMA
+from loadtests.bench_engine import RESULTS, machine
+from loadtests.bench_grammar import CONFIGS, SCHEMA, extraction_prompts
 from loadtests.scripted import ScriptedForward
 from server.config import DraftingConfig, load_config
 from server.engine.costmodel import measure_cost_curve
@@ -61,18 +61,6 @@ class OracleSizing(Engine):
             super()._size_drafts(running, plans)
         finally:
             self.policy = policy
-
-
-def _prompts(tokenizer: Any, articles: int) -> list[tuple[str, list[int]]]:
-    out = []
-    with open(DATA / "summarization.jsonl") as f:
-        for line in f:
-            row = json.loads(line)
-            article = row["prompt"].split("\n\n", 1)[1]
-            out.append((row["id"], tokenizer.encode_chat([{"role": "user", "content": INSTRUCTION + article}])))
-            if len(out) == articles:
-                break
-    return out
 
 
 def _greedy_outputs(loaded: Any, compiler: GrammarCompiler, grammar: str, prompts: list[tuple[str, list[int]]],
@@ -132,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = loaded.tokenizer
     compiler = GrammarCompiler(tokenizer)
     grammar = compiler.compile("json_schema", SCHEMA)
-    prompts = _prompts(tokenizer, args.articles)
+    prompts = extraction_prompts(tokenizer, args.articles)
     outputs = _greedy_outputs(loaded, compiler, grammar, prompts, args.max_tokens)
     cost = measure_cost_curve(loaded.forward, DraftingConfig().max_draft + 1, context=args.context)
     rows = {name: replay(cls, tokenizer, compiler, grammar, prompts, outputs, cost, args.max_tokens)
