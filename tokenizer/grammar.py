@@ -8,7 +8,7 @@ state of one request, with verbs that say what happens to it:
 - ``forced_tokens()``: tokens the grammar allows as the only continuation (fast-forward);
 - ``spelled_forced()``: the forced bytes that fast-forward left out, spelled as tokens (a draft);
 - ``validate(tokens)``: how many of ``tokens`` the grammar allows from here (drafts are cut there);
-- ``masks(forced, draft)``: the allowed-token bitmask at every verified position;
+- ``masks(draft)``: the allowed-token bitmask at every verified position;
 - ``consume(tokens)`` / ``rollback(n)``.
 
 Fast-forward tokens must be canonical (llguidance ``docs/fast_forward.md``): the forced *bytes*

@@ -336,14 +336,14 @@ class Engine:
         if seq.grammar is not None:
             # Once the grammar is complete nothing but EOS may follow: the output ends there, with
             # or without drafts (an accepted draft can complete it mid-pass, before the EOS after it).
-            for i, token in enumerate(verified):
+            consumed = 0
+            for token in verified:
                 if seq.grammar.stopped or token in seq.stop_token_ids:
                     break
                 seq.grammar.consume([token])
-            else:
-                i = len(verified)
+                consumed += 1
             if seq.grammar.stopped:
-                tokens, finish = tokens[: len(forced) + i], "stop"
+                tokens, finish = tokens[: len(forced) + consumed], "stop"
         if finish is None:
             for i, token in enumerate(tokens):
                 if token in seq.stop_token_ids:
