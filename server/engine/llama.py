@@ -9,7 +9,10 @@ MKL's `sgemm` repacks every weight on every call, so 2 tokens cost 2x one token)
   a pass nearly flat in the number of tokens (1 token 40 ms, 8 tokens 49 ms, 16 tokens 68 ms in
   the same measurement) and the result of each row independent of how many rows are computed
   together (the linear layers and RMSNorm are batch-invariant bit for bit);
-- the KV cache is one tensor per sequence, written in place; cropping it is setting a length.
+- the KV cache is one tensor per sequence, written in place; cropping it is setting a length;
+- attention of passes feeding up to 32 tokens per sequence runs in a compiled kernel
+  (csrc/attention.cpp) that computes every (token, head) row on its own, so with the block
+  kernels a token's logits are the same bit for bit alone or with a draft; prompt chunks use SDPA.
 
 The weights, rotary tables and normalisation come from the loaded transformers model, so the
 arithmetic is the same as transformers' (same RMSNorm formula, the model's own rotary module).
@@ -195,8 +198,14 @@ class LlamaForward:
         self.max_positions = max_positions
         self.vocab_size = config.vocab_size
         kernels = None
-        if blocks and self.device.type == "cpu" and self.dtype == torch.float32:
+        if self.device.type == "cpu" and self.dtype == torch.float32:
             kernels = load_kernels()
+        # Attention of decoding passes through the compiled kernel (csrc/attention.cpp) where it
+        # covers the head shape; prompt chunks and everything else through SDPA.
+        self.attention_kernel = None
+        if kernels is not None and kernels.decode_attention_supports(self.head_dim, self.num_heads, self.num_kv_heads):
+            self.attention_kernel = kernels
+        self.scale = self.head_dim ** -0.5
         blocks = blocks or {}
         with torch.inference_mode():
             self.embed = inner.embed_tokens.weight.detach()
@@ -294,6 +303,8 @@ class LlamaForward:
     def _attention(self, q: torch.Tensor, cache: KVCache, layer: int, end: int, mask: torch.Tensor | None) -> torch.Tensor:
         """Causal attention of ``q`` ([n, heads, head_dim], positions end-n..end-1) over the cache."""
         n = q.shape[0]
+        if self.attention_kernel is not None and n <= SMALL_ROWS:
+            return self.attention_kernel.decode_attention(q.contiguous(), cache.k[layer], cache.v[layer], end, self.scale)
         keys = cache.k[layer, :, :end][None]  # [1, kv_heads, end, head_dim]
         values = cache.v[layer, :, :end][None]
         query = q.transpose(0, 1)[None]  # [1, heads, n, head_dim]

@@ -13,9 +13,10 @@ block matrix, de-quantised here, must equal transformers' float32 weight bit for
 not used. The kernel then differs from a float32 matmul of the same weights only in the order of
 its additions (about 1e-6 relative), like any two BLAS libraries.
 
-The kernel is compiled once per machine (about a minute, with the system C++ compiler, cached under
-the Parrot cache directory) and only on CPUs with AVX-512; elsewhere, or if compiling fails,
-Parrot logs why and uses float32 weights.
+The same module holds the attention kernel of decoding passes (``csrc/attention.cpp``, used by
+llama.py for any float32 model on CPU). The kernels are compiled once per machine (about a
+minute, with the system C++ compiler, cached under the Parrot cache directory) and only on CPUs
+with AVX-512; elsewhere, or if compiling fails, Parrot logs why and uses float32 weights and SDPA.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ import torch
 
 log = logging.getLogger("parrot.engine")
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "quant_linear.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# One module: the block-format linear layers, and attention for decoding passes (attention.cpp).
+SOURCES = [os.path.join(_CSRC, "quant_linear.cpp"), os.path.join(_CSRC, "attention.cpp")]
 # Rows per sequence up to which the block kernel beats float32 GEMM (measured, see above).
 MAX_ROWS = 32
 
@@ -77,8 +80,11 @@ def kernels() -> Any | None:
 
     from server.engine.loader import cache_root
 
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + torch.__version__.encode()).hexdigest()[:12]
+    digest_of = hashlib.sha256(torch.__version__.encode())
+    for path in SOURCES:
+        with open(path, "rb") as f:
+            digest_of.update(f.read())
+    digest = digest_of.hexdigest()[:12]
     build = os.path.join(cache_root(), "kernels", f"quant_linear_{digest}")
     os.makedirs(build, exist_ok=True)
     if not os.listdir(build):
@@ -86,7 +92,7 @@ def kernels() -> Any | None:
     try:
         return load(
             name=f"parrot_quant_linear_{digest}",
-            sources=[SOURCE],
+            sources=SOURCES,
             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=build,

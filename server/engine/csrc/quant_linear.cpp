@@ -116,7 +116,13 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
   return linear(Q8_0{qs.data_ptr<int8_t>(), d.data_ptr<float>(), x.size(1)}, x, qs.size(0));
 }
 
+// attention.cpp
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t end, double scale);
+bool decode_attention_supports(int64_t head_dim, int64_t heads, int64_t kv_heads);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("q4_1_linear", &q4_1_linear, "x @ W^T with W in GGUF Q4_1 blocks");
   module.def("q8_0_linear", &q8_0_linear, "x @ W^T with W in GGUF Q8_0 blocks");
+  module.def("decode_attention", &decode_attention, "causal attention of a few new tokens over a KV cache");
+  module.def("decode_attention_supports", &decode_attention_supports, "whether decode_attention covers this head shape");
 }
