@@ -11,7 +11,7 @@ import torch
 def measure_cost_curve(forward: Any, max_tokens: int, context: int = 512, repeats: int = 9) -> list[float]:
     """``cost[t]`` = seconds of one pass feeding t tokens after ``context`` cached ones.
 
-    ``cost[0]`` is 0. Points are measured at 1, 2, 3, 4, 6, 8, 12, 16, ... and interpolated in
+    ``cost[0]`` is 0. Points are measured at 1, 2, 3, 4, 5, 6, 8, 12, 16, ... and interpolated in
     between; the curve is made non-decreasing (a longer pass never costs less; noise aside).
     Other work on the machine only ever adds time, so each point is the *minimum* of
     ``repeats`` timings, taken round-robin over the points so that a burst of outside load
@@ -24,7 +24,7 @@ def measure_cost_curve(forward: Any, max_tokens: int, context: int = 512, repeat
     prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
     cache = forward.new_cache(context + max_tokens)
     forward.forward([(cache, prompt, 1)])
-    points = sorted({t for t in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if t <= max_tokens} | {max_tokens})
+    points = sorted({t for t in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64) if t <= max_tokens} | {max_tokens})
     measured = {t: float("inf") for t in points}
     for _ in range(2):  # warm-up: first calls allocate
         forward.forward([(cache, prompt[:1], 1)])

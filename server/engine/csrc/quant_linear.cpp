@@ -73,17 +73,28 @@ inline void tile(const W& w, const float* x, int64_t K, int64_t n, float* y, int
     for (int j = 0; j < NT; ++j) y[i * N + n + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-// All M rows of x against weight rows n .. n + NT - 1, four rows of x at a time.
-template <int NT, class W>
+// All M rows of x against weight rows n .. n + NT - 1, MT (4 or 5) rows of x at a time.
+template <int MT, int NT, class W>
 inline void columns(const W& w, const float* x, int64_t M, int64_t K, int64_t n, float* y, int64_t N) {
   int64_t i = 0;
-  for (; i + 4 <= M; i += 4) tile<4, NT>(w, x + i * K, K, n, y + i * N, N);
+  for (; i + MT <= M; i += MT) tile<MT, NT>(w, x + i * K, K, n, y + i * N, N);
+  const float* xr = x + i * K;
+  float* yr = y + i * N;
   switch (M - i) {
-    case 1: tile<1, NT>(w, x + i * K, K, n, y + i * N, N); break;
-    case 2: tile<2, NT>(w, x + i * K, K, n, y + i * N, N); break;
-    case 3: tile<3, NT>(w, x + i * K, K, n, y + i * N, N); break;
-    default: break;
+    case 1: tile<1, NT>(w, xr, K, n, yr, N); break;
+    case 2: if constexpr (MT > 2) tile<2, NT>(w, xr, K, n, yr, N); break;
+    case 3: if constexpr (MT > 3) tile<3, NT>(w, xr, K, n, yr, N); break;
+    case 4: if constexpr (MT > 4) tile<4, NT>(w, xr, K, n, yr, N); break;
+    default: break;  // MT <= 5: at most 4 rows are left
   }
+}
+
+template <int MT, int NT, class W>
+void run(const W& w, const float* xp, int64_t M, int64_t K, float* yp, int64_t N) {
+  const int64_t tiled = N - N % NT;
+  #pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < tiled; n += NT) columns<MT, NT>(w, xp, M, K, n, yp, N);
+  for (int64_t n = tiled; n < N; ++n) columns<MT, 1>(w, xp, M, K, n, yp, N);
 }
 
 template <class W>
@@ -94,11 +105,12 @@ torch::Tensor linear(const W& w, const torch::Tensor& x, int64_t N) {
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  constexpr int NT = 4;
-  const int64_t tiled = N - N % NT;
-  #pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < tiled; n += NT) columns<NT>(w, xp, M, K, n, yp, N);
-  for (int64_t n = tiled; n < N; ++n) columns<1>(w, xp, M, K, n, yp, N);
+  // Five rows in one tile (20 accumulators, 30 of the 32 vector registers) instead of 4 + 1: the
+  // weight blocks are expanded once, not twice. Measured over the embedded model's layers, five
+  // rows then cost 17.5 ms instead of 23 (four rows: 16-17). Wider tiles for 6-8 rows, with 2 or 3
+  // weight rows at a time, measured no better than groups of four.
+  if (M == 5) run<5, 4>(w, xp, M, K, yp, N);
+  else run<4, 4>(w, xp, M, K, yp, N);
   return y;
 }
 
