@@ -8,7 +8,10 @@
 // (0, CHUNK, 2 CHUNK, ...). One item computes, for every query row of its head group (each new
 // token x each query head reading that key/value head), the scores over the chunk's keys that
 // row may see, their maximum, exp(s - max), its sum, and sum p v, reading each key and value
-// once for all rows. Partial results are then merged per row in chunk order. Every step of a
+// once for all rows: keys 16 at a time, transposed once so that each score is a run of
+// multiply-adds with no horizontal sums (measured over 900 keys, 8 new tokens: scores 104 -> 75 us
+// per layer against per-key dot products), values 16 at a time for groups of rows. Partial
+// results are then merged per row in chunk order. Every step of a
 // row's arithmetic is fixed by its own query, its position and the chunk offsets: nothing depends
 // on how many tokens are in the pass or which thread runs what, so a row's result is the same bit
 // for bit whether its token is verified alone or with a draft (batch invariance, as in
@@ -48,52 +51,97 @@ inline __m512 exp512(__m512 x) {
   return _mm512_maskz_mov_ps(~under, _mm512_scalef_ps(p, k));
 }
 
-// Sixteen dot products, one per accumulator (its 16 lanes summed), as one vector: lane j = sum of
-// a[j]. A fixed tree of adds, the same for every call.
-inline __m512 transpose_sum16(const __m512* a) {
-  __m512 t[8], u[4], x[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane sums of a, b, c, d
-    const __m512d p = _mm512_castps_pd(t[2 * i]), q = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)), _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)));
+constexpr int64_t CHUNK = 256;
+
+// dst[i * 16 + j] = src[j][col + i] for i, j < 16: sixteen dimensions of sixteen keys, transposed.
+inline void transpose16(const float* const* src, int64_t col, float* dst) {
+  __m512 r[16], t[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(src[j] + col);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
   }
-  for (int i = 0; i < 2; ++i)  // 128-bit lanes 0+1 and 2+3 of two groups of four
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane L: r[4i + k] = rows 4i..4i+3 of column 4L + k
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k = lane L of r[k], r[4 + k], r[8 + k], r[12 + k]
+    const __m512 u0 = _mm512_shuffle_f32x4(r[k], r[4 + k], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 u1 = _mm512_shuffle_f32x4(r[k], r[4 + k], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512 u2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 u3 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], _MM_SHUFFLE(3, 2, 3, 2));
+    _mm512_store_ps(dst + (0 + k) * 16, _mm512_shuffle_f32x4(u0, u2, _MM_SHUFFLE(2, 0, 2, 0)));
+    _mm512_store_ps(dst + (4 + k) * 16, _mm512_shuffle_f32x4(u0, u2, _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm512_store_ps(dst + (8 + k) * 16, _mm512_shuffle_f32x4(u1, u3, _MM_SHUFFLE(2, 0, 2, 0)));
+    _mm512_store_ps(dst + (12 + k) * 16, _mm512_shuffle_f32x4(u1, u3, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
 }
 
-constexpr int64_t CHUNK = 256;
+// Scores of GR rows (scaled queries qs, D apart) against a transposed tile of 16 keys.
+template <int C, int GR>
+inline void score_rows(const float* qs, const float* kt, float* scores) {
+  constexpr int D = 16 * C;
+  __m512 even[GR], odd[GR];
+  for (int g = 0; g < GR; ++g) even[g] = odd[g] = _mm512_setzero_ps();
+  #pragma GCC unroll 8
+  for (int d = 0; d < D; d += 2) {
+    const __m512 k0 = _mm512_load_ps(kt + d * 16), k1 = _mm512_load_ps(kt + (d + 1) * 16);
+    for (int g = 0; g < GR; ++g) {
+      even[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + d]), k0, even[g]);
+      odd[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + d + 1]), k1, odd[g]);
+    }
+  }
+  for (int g = 0; g < GR; ++g) _mm512_storeu_ps(scores + g * CHUNK, _mm512_add_ps(even[g], odd[g]));
+}
+
+// o_r += p_rj v_j for keys j < m of one tile, for GR rows r (their weights at scores + r * CHUNK,
+// their sums at part + r * (D + 2) + 2).
+template <int C, int GR>
+inline void weighted_values(const int64_t* rows, int64_t m, const float* scores, const float* values, float* part) {
+  constexpr int D = 16 * C;
+  __m512 o[GR][C];
+  for (int g = 0; g < GR; ++g)
+    for (int c = 0; c < C; ++c) o[g][c] = _mm512_loadu_ps(part + rows[g] * (D + 2) + 2 + c * 16);
+  for (int64_t j = 0; j < m; ++j) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(values + j * D + c * 16);
+    for (int g = 0; g < GR; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[rows[g] * CHUNK + j]);
+      for (int c = 0; c < C; ++c) o[g][c] = _mm512_fmadd_ps(p, v[c], o[g][c]);
+    }
+  }
+  for (int g = 0; g < GR; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(part + rows[g] * (D + 2) + 2 + c * 16, o[g][c]);
+}
 
 // One item: rows r = t * G + g (token t sees keys < limit[t]) against keys [c0, c1) of one
 // key/value head. Writes per row: max, sum of exp(s - max), sum of exp(s - max) v (D floats);
 // max = -inf when the row sees none of the chunk.
 template <int C>
-void chunk(const float* q, int64_t q_stride, int64_t n, int64_t G, const int64_t* limit, const float* keys,
-           const float* values, int64_t c0, int64_t c1, float scale, float* scores, float* part) {
+void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const float* keys,
+           const float* values, int64_t c0, int64_t c1, float* scores, float* part) {
   constexpr int D = 16 * C;
   const int64_t R = n * G, S = c1 - c0;
-  // Scores, 16 keys at a time; each key tile is read from memory once and stays in L1 for all rows.
+  // Scores, 16 keys at a time: the tile is transposed once (kt[d] = dimension d of its 16 keys)
+  // and serves every row, each score a sum over d in a fixed order (even and odd d apart, then
+  // added). A partial tile points its missing keys at zeros (their scores are never used).
+  alignas(64) static const float zeros[D] = {};
+  alignas(64) float kt[D * 16];
   for (int64_t j0 = 0; j0 < S; j0 += 16) {
-    const int64_t m = S - j0 < 16 ? S - j0 : 16;
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t t = r / G, g = r % G;
-      const float* qr = q + t * q_stride + g * D;
-      __m512 qv[C];
-      for (int c = 0; c < C; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(qr + c * 16), _mm512_set1_ps(scale));
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) {
-        if (j < m) {
-          const float* k = keys + (c0 + j0 + j) * D;
-          acc[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-          for (int c = 1; c < C; ++c) acc[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), acc[j]);
-        } else {
-          acc[j] = _mm512_setzero_ps();
-        }
-      }
-      _mm512_storeu_ps(scores + r * CHUNK + j0, transpose_sum16(acc));
+    const float* kp[16];
+    for (int j = 0; j < 16; ++j) kp[j] = j0 + j < S ? keys + (c0 + j0 + j) * D : zeros;
+    for (int c = 0; c < C; ++c) transpose16(kp, c * 16, kt + c * 256);
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) score_rows<C, 4>(qs + r * D, kt, scores + r * CHUNK + j0);
+    switch (R - r) {
+      case 1: score_rows<C, 1>(qs + r * D, kt, scores + r * CHUNK + j0); break;
+      case 2: score_rows<C, 2>(qs + r * D, kt, scores + r * CHUNK + j0); break;
+      case 3: score_rows<C, 3>(qs + r * D, kt, scores + r * CHUNK + j0); break;
+      default: break;
     }
   }
   // Softmax pieces per row over the keys it sees in this chunk.
@@ -124,29 +172,33 @@ void chunk(const float* q, int64_t q_stride, int64_t n, int64_t G, const int64_t
     pr[1] = _mm512_reduce_add_ps(total);
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(pr + 2 + c * 16, _mm512_setzero_ps());
   }
-  // sum_j p_j v_j, 16 values at a time; each value tile is read once for all rows.
+  // sum_j p_j v_j, 16 values at a time, in key order for every row. Rows that see the whole tile
+  // go through it in groups (each value vector loaded once per group), the others one by one;
+  // both do the same multiply-adds in the same order.
+  std::vector<int64_t> whole;
+  whole.reserve(R);
   for (int64_t j0 = 0; j0 < S; j0 += 16) {
     const int64_t m = S - j0 < 16 ? S - j0 : 16;
+    whole.clear();
     for (int64_t r = 0; r < R; ++r) {
       const int64_t seen = std::min(std::max(limit[r / G] - c0, (int64_t)0), S);
       if (j0 >= seen) continue;
       const int64_t upto = std::min(m, seen - j0);
-      float* pr = part + r * (D + 2) + 2;
-      const float* sr = scores + r * CHUNK + j0;
-      __m512 o[C];
-      for (int c = 0; c < C; ++c) o[c] = _mm512_loadu_ps(pr + c * 16);
-      for (int64_t j = 0; j < upto; ++j) {
-        const __m512 p = _mm512_set1_ps(sr[j]);
-        const float* v = values + (c0 + j0 + j) * D;
-        for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + c * 16), o[c]);
+      if (upto == m) {
+        whole.push_back(r);
+      } else {
+        weighted_values<C, 1>(&r, upto, scores + j0, values + (c0 + j0) * D, part);
       }
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(pr + c * 16, o[c]);
     }
+    constexpr int GR = 16 / C;  // rows per group: GR * C accumulators
+    size_t i = 0;
+    for (; i + GR <= whole.size(); i += GR) weighted_values<C, GR>(whole.data() + i, m, scores + j0, values + (c0 + j0) * D, part);
+    for (; i < whole.size(); ++i) weighted_values<C, 1>(whole.data() + i, m, scores + j0, values + (c0 + j0) * D, part);
   }
 }
 
-using ChunkFn = void (*)(const float*, int64_t, int64_t, int64_t, const int64_t*, const float*, const float*,
-                         int64_t, int64_t, float, float*, float*);
+using ChunkFn = void (*)(const float*, int64_t, int64_t, const int64_t*, const float*, const float*,
+                         int64_t, int64_t, float*, float*);
 
 ChunkFn pick(int64_t D) {
   switch (D) {
@@ -181,6 +233,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
+  // Scaled queries by key/value head: qs[h][t * G + g] = scale * q[t][h * G + g].
+  std::vector<float> qs(kv_heads * R * D);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        qs[((h / G) * R + t * G + h % G) * D + d] = qp[(t * heads + h) * D + d] * (float)scale;
   const int64_t items = kv_heads * chunks;
   #pragma omp parallel if (items > 1)
   {
@@ -188,8 +246,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < items; ++i) {
       const int64_t h = i / chunks, c = i % chunks;
-      fn(qp + h * G * D, heads * D, n, G, limit.data(), kp + h * capacity * D, vp + h * capacity * D,
-         c * CHUNK, std::min((c + 1) * CHUNK, end), (float)scale, scores.data(), part.data() + i * R * (D + 2));
+      fn(qs.data() + h * R * D, n, G, limit.data(), kp + h * capacity * D, vp + h * capacity * D,
+         c * CHUNK, std::min((c + 1) * CHUNK, end), scores.data(), part.data() + i * R * (D + 2));
     }
   }
   // Merge each row's chunks in order.
