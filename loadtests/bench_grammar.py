@@ -13,7 +13,11 @@ part that fast-forward and drafts change; the prompt's prefill is the same in al
 tokens/s (prefill included), forward passes per output token, share of forced tokens, share of
 outputs that parse and validate, share identical to the ``constrained`` output.
 
-    python -m loadtests.bench_grammar [--articles 10]
+With ``--sdpa``, two more rows run the ``constrained`` and ``+fast_forward+ngram`` configurations
+with torch's SDPA in place of the attention kernel (csrc/attention.cpp), each with a cost curve
+measured that way, and are compared with their own ``constrained`` row.
+
+    python -m loadtests.bench_grammar [--articles 10] [--sdpa]
 
 Prints a markdown table, writes ``loadtests/results/bench_grammar.{json,md}``.
 """
@@ -33,7 +37,8 @@ import jsonschema
 from loadtests.bench_engine import DATA, RESULTS, machine
 from server.config import load_config
 from server.engine.build import build_engine
-from server.engine.engine import GenerationRequest, SpeculationParams
+from server.engine.costmodel import measure_cost_curve
+from server.engine.engine import Engine, GenerationRequest, SpeculationParams
 from server.engine.sampling import SamplingParams
 from tokenizer.grammar import GrammarCompiler
 
@@ -90,20 +95,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--articles", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=300)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--sdpa", action="store_true", help="also run two rows with SDPA attention")
     args = parser.parse_args(argv)
 
-    loaded, engine = build_engine(load_config())
+    config = load_config()
+    loaded, engine = build_engine(config)
+    forward: Any = loaded.forward
+    # name -> (engine, speculation, the row it is compared with, attention kernel off)
+    rows: dict[str, tuple[Engine, SpeculationParams, str, bool]] = {
+        name: (engine, spec, "constrained", False) for name, spec in CONFIGS.items()}
+    if args.sdpa:
+        if getattr(forward, "attention_kernel", None) is None:
+            parser.error("--sdpa: this model runs without the attention kernel here")
+        kernel, forward.attention_kernel = forward.attention_kernel, None
+        cost = measure_cost_curve(forward, config.drafting.max_draft + 1)
+        forward.attention_kernel = kernel
+        sdpa = Engine(forward, loaded.tokenizer, config.drafting, cost, config.server.prefill_chunk,
+                      config.server.prefill_chunk_busy)
+        rows["constrained, SDPA"] = (sdpa, CONFIGS["constrained"], "constrained, SDPA", True)
+        rows["+fast_forward+ngram, SDPA"] = (sdpa, CONFIGS["+fast_forward+ngram"], "constrained, SDPA", True)
     compiler = GrammarCompiler(loaded.tokenizer)
     grammar = compiler.compile("json_schema", SCHEMA)
     prompts = extraction_prompts(loaded.tokenizer, args.articles)
     records: list[dict[str, Any]] = []
     for i, (prompt_id, ids) in enumerate(prompts):
         record: dict[str, Any] = {"id": prompt_id}
-        for name, spec in CONFIGS.items():
+        for name, (row_engine, spec, _, without_kernel) in rows.items():
             request = GenerationRequest(ids, SamplingParams(max_tokens=args.max_tokens), spec,
                                         grammar=compiler.new_state(grammar, spec.fast_forward))
+            kernel = getattr(forward, "attention_kernel", None)
+            if without_kernel:
+                forward.attention_kernel = None
             begin = time.perf_counter()
-            result = engine.generate(request)
+            try:
+                result = row_engine.generate(request)
+            finally:
+                if without_kernel:
+                    forward.attention_kernel = kernel
             seconds = time.perf_counter() - begin
             try:
                 jsonschema.validate(json.loads(result.text), SCHEMA)
@@ -117,23 +145,22 @@ def main(argv: list[str] | None = None) -> int:
                             "forced": s.forced_tokens, "drafted": s.drafted_tokens, "accepted": s.accepted_tokens,
                             "valid": valid, "token_ids": result.token_ids}
         base = record["constrained"]["token_ids"]
-        for name in CONFIGS:
+        for name in rows:
             record[name]["identical"] = record[name]["token_ids"] == base
         records.append(record)
         print(f"[{i + 1}/{len(prompts)}] {prompt_id}: " + ", ".join(
-            f"{name} {_decode_speed([record[name]]):.1f} tok/s decode" for name in CONFIGS), file=sys.stderr)
+            f"{name} {_decode_speed([record[name]]):.1f} tok/s decode" for name in rows), file=sys.stderr)
 
     summary: dict[str, Any] = {}
-    base_speed = _speed([r["constrained"] for r in records])
-    base_decode = _decode_speed([r["constrained"] for r in records])
-    for name in CONFIGS:
+    for name, (_, _, base, _) in rows.items():
         tokens = sum(r[name]["tokens"] for r in records)
         runs = [r[name] for r in records]
+        base_runs = [r[base] for r in records]
         summary[name] = {
             "decode_tokens_per_s": _decode_speed(runs),
-            "decode_ratio": _decode_speed(runs) / base_decode,
+            "decode_ratio": _decode_speed(runs) / _decode_speed(base_runs),
             "tokens_per_s": _speed(runs),
-            "ratio": _speed(runs) / base_speed,
+            "ratio": _speed(runs) / _speed(base_runs),
             "passes_per_token": sum(r[name]["passes"] for r in records) / tokens,
             "forced_share": sum(r[name]["forced"] for r in records) / tokens,
             "accepted_drafts_share": sum(r[name]["accepted"] for r in records) / tokens,
@@ -163,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_grammar.md").write_text(header + "\n\n" + table + "\n\n" + curve_line + "\n")
     for r in records:
-        for name in CONFIGS:
+        for name in rows:
             r[name].pop("token_ids")
     (args.out / "bench_grammar.json").write_text(json.dumps(
         {"date": stamp, "machine": machine(), "schema": SCHEMA, "cost_curve_s": curve, "summary": summary,
