@@ -38,7 +38,7 @@ bench-drafter: install
 	$(PY) -m loadtests.bench_drafter
 
 bench-grammar: install
-	$(PY) -m loadtests.bench_grammar
+	$(PY) -m loadtests.bench_grammar --sdpa
 
 replay-grammar: install
 	$(PY) -m loadtests.replay_grammar
