@@ -65,10 +65,10 @@ def _cpu_has_avx512() -> bool:
 def kernels() -> Any | None:
     """The compiled kernel module, or None (with the reason logged) when it cannot be used."""
     if os.environ.get("PARROT_QUANT_KERNELS", "1") == "0":
-        log.info("block-format kernels disabled by PARROT_QUANT_KERNELS=0")
+        log.info("compiled kernels disabled by PARROT_QUANT_KERNELS=0 (float32 weights, SDPA attention)")
         return None
     if not _cpu_has_avx512():
-        log.info("block-format kernels need AVX-512; using float32 weights")
+        log.info("compiled kernels need AVX-512; using float32 weights and SDPA attention")
         return None
     from torch.utils.cpp_extension import load
 
@@ -88,7 +88,7 @@ def kernels() -> Any | None:
     build = os.path.join(cache_root(), "kernels", f"quant_linear_{digest}")
     os.makedirs(build, exist_ok=True)
     if not os.listdir(build):
-        log.info("compiling the block-format kernels (once per machine, about a minute)")
+        log.info("compiling the block-format and attention kernels (once per machine, about a minute)")
     try:
         return load(
             name=f"parrot_quant_linear_{digest}",
@@ -99,7 +99,7 @@ def kernels() -> Any | None:
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, ...: fall back, and say so
-        log.warning("could not build the block-format kernels (%s); using float32 weights", exc)
+        log.warning("could not build the compiled kernels (%s); using float32 weights and SDPA attention", exc)
         return None
 
 
