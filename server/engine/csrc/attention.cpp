@@ -53,6 +53,11 @@ inline __m512 exp512(__m512 x) {
 
 constexpr int64_t CHUNK = 256;
 
+// Lanes 0 .. min(left, 16) - 1.
+inline __mmask16 first_lanes(int64_t left) {
+  return (__mmask16)((1u << (left < 16 ? left : 16)) - 1);
+}
+
 // dst[i * 16 + j] = src[j][col + i] for i, j < 16: sixteen dimensions of sixteen keys, transposed.
 inline void transpose16(const float* const* src, int64_t col, float* dst) {
   __m512 r[16], t[16];
@@ -126,6 +131,8 @@ void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const fl
            const float* values, int64_t c0, int64_t c1, float* scores, float* part) {
   constexpr int D = 16 * C;
   const int64_t R = n * G, S = c1 - c0;
+  std::vector<int64_t> seen(R);  // keys of this chunk each row sees
+  for (int64_t r = 0; r < R; ++r) seen[r] = std::min(std::max(limit[r / G] - c0, (int64_t)0), S);
   // Scores, 16 keys at a time: the tile is transposed once (kt[d] = dimension d of its 16 keys)
   // and serves every row, each score a sum over d in a fixed order (even and odd d apart, then
   // added). A partial tile points its missing keys at zeros (their scores are never used).
@@ -146,24 +153,23 @@ void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const fl
   }
   // Softmax pieces per row over the keys it sees in this chunk.
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t seen = std::min(std::max(limit[r / G] - c0, (int64_t)0), S);
     float* pr = part + r * (D + 2);
     float* sr = scores + r * CHUNK;
-    if (seen == 0) {
+    if (seen[r] == 0) {
       pr[0] = -INFINITY;
       pr[1] = 0.0f;
       continue;
     }
     __m512 best = _mm512_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < seen; j0 += 16) {
-      const __mmask16 valid = (__mmask16)((1u << (seen - j0 < 16 ? seen - j0 : 16)) - 1);
+    for (int64_t j0 = 0; j0 < seen[r]; j0 += 16) {
+      const __mmask16 valid = first_lanes(seen[r] - j0);
       best = _mm512_mask_max_ps(best, valid, best, _mm512_maskz_loadu_ps(valid, sr + j0));
     }
     const float top = _mm512_reduce_max_ps(best);
     const __m512 bv = _mm512_set1_ps(top);
     __m512 total = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < seen; j0 += 16) {
-      const __mmask16 valid = (__mmask16)((1u << (seen - j0 < 16 ? seen - j0 : 16)) - 1);
+    for (int64_t j0 = 0; j0 < seen[r]; j0 += 16) {
+      const __mmask16 valid = first_lanes(seen[r] - j0);
       const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sr + j0), bv)));
       _mm512_storeu_ps(sr + j0, e);  // zero past `seen`
       total = _mm512_add_ps(total, e);
@@ -181,9 +187,8 @@ void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const fl
     const int64_t m = S - j0 < 16 ? S - j0 : 16;
     whole.clear();
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t seen = std::min(std::max(limit[r / G] - c0, (int64_t)0), S);
-      if (j0 >= seen) continue;
-      const int64_t upto = std::min(m, seen - j0);
+      if (j0 >= seen[r]) continue;
+      const int64_t upto = std::min(m, seen[r] - j0);
       if (upto == m) {
         whole.push_back(r);
       } else {
@@ -212,12 +217,12 @@ ChunkFn pick(int64_t D) {
 
 }  // namespace
 
-// q [n, heads, D]; k, v [kv_heads, capacity, D] (one layer of the cache) holding `end` positions,
-// the last n of which are the queries' own. Returns [n, heads * D].
 bool decode_attention_supports(int64_t head_dim, int64_t heads, int64_t kv_heads) {
   return kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= 16 && pick(head_dim) != nullptr;
 }
 
+// q [n, heads, D]; k, v [kv_heads, capacity, D] (one layer of the cache) holding `end` positions,
+// the last n of which are the queries' own. Returns [n, heads * D].
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t end, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32, "float32 only");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && q.dim() == 3 && k.dim() == 3, "contiguous q [n, heads, D], k/v [kv_heads, capacity, D]");
@@ -253,12 +258,13 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   // Merge each row's chunks in order.
   auto out = torch::empty({n, heads * D}, q.options());
   float* op = out.data_ptr<float>();
+  std::vector<float> acc(D);
   for (int64_t h = 0; h < kv_heads; ++h) {
     for (int64_t r = 0; r < R; ++r) {
       float top = -INFINITY;
       for (int64_t c = 0; c < chunks; ++c) top = std::max(top, part[((h * chunks + c) * R + r) * (D + 2)]);
       float total = 0.0f;
-      std::vector<float> acc(D, 0.0f);
+      std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t c = 0; c < chunks; ++c) {
         const float* pr = part.data() + ((h * chunks + c) * R + r) * (D + 2);
         if (pr[0] == -INFINITY) continue;
