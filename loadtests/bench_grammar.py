@@ -25,10 +25,12 @@ Prints a markdown table, writes ``loadtests/results/bench_grammar.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +82,16 @@ def extraction_prompts(tokenizer: Any, articles: int) -> list[tuple[str, list[in
     return prompts
 
 
+@contextlib.contextmanager
+def _sdpa_attention(forward: Any) -> Iterator[None]:
+    """Run ``forward`` with torch's SDPA instead of its attention kernel for a while."""
+    kernel, forward.attention_kernel = forward.attention_kernel, None
+    try:
+        yield
+    finally:
+        forward.attention_kernel = kernel
+
+
 def _speed(runs: list[dict[str, Any]]) -> float:
     """End-to-end: all output tokens / all seconds, prefill included."""
     return sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)
@@ -107,9 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sdpa:
         if getattr(forward, "attention_kernel", None) is None:
             parser.error("--sdpa: this model runs without the attention kernel here")
-        kernel, forward.attention_kernel = forward.attention_kernel, None
-        cost = measure_cost_curve(forward, config.drafting.max_draft + 1)
-        forward.attention_kernel = kernel
+        with _sdpa_attention(forward):
+            cost = measure_cost_curve(forward, config.drafting.max_draft + 1)
         sdpa = Engine(forward, loaded.tokenizer, config.drafting, cost, config.server.prefill_chunk,
                       config.server.prefill_chunk_busy)
         rows["constrained, SDPA"] = (sdpa, CONFIGS["constrained"], "constrained, SDPA", True)
@@ -123,16 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, (row_engine, spec, _, without_kernel) in rows.items():
             request = GenerationRequest(ids, SamplingParams(max_tokens=args.max_tokens), spec,
                                         grammar=compiler.new_state(grammar, spec.fast_forward))
-            kernel = getattr(forward, "attention_kernel", None)
-            if without_kernel:
-                forward.attention_kernel = None
-            begin = time.perf_counter()
-            try:
+            with _sdpa_attention(forward) if without_kernel else contextlib.nullcontext():
+                begin = time.perf_counter()
                 result = row_engine.generate(request)
-            finally:
-                if without_kernel:
-                    forward.attention_kernel = kernel
-            seconds = time.perf_counter() - begin
+                seconds = time.perf_counter() - begin
             try:
                 jsonschema.validate(json.loads(result.text), SCHEMA)
                 valid = True
