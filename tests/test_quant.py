@@ -48,9 +48,9 @@ needs_kernels = pytest.mark.skipif(kernels() is None, reason="block kernels unav
 
 @needs_kernels
 @pytest.mark.parametrize("make", [_random_q4_1, _random_q8_0])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 17, 33])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 8, 9, 17, 33])
 def test_block_kernel_equals_float32_matmul_of_the_dequantized_weights(make, rows):
-    w = make(70, 576)  # 70 output rows: not a multiple of the kernel's 4-row tiles
+    w = make(70, 576)  # 70 output rows: not a multiple of the kernel's 4- or 3-row weight tiles
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
     y = BlockLinear(w, kernels())(x)
     expected = x.double() @ w.dequantize().double().T
@@ -62,7 +62,8 @@ def test_block_kernel_rows_do_not_depend_on_the_rest_of_the_batch():
     linear = BlockLinear(_random_q4_1(64, 1536), kernels())
     x = torch.randn(20, 1536, generator=torch.Generator().manual_seed(1))
     together = linear(x)
-    for start, stop in ((0, 1), (3, 8), (5, 20), (2, 12)):  # 1, 5 (one tile), 15, 10 rows
+    # 1 row; 5, 6 and 8 rows (one tile each); 7 (one 8-row tile short of a row); 15 and 10 rows
+    for start, stop in ((0, 1), (3, 8), (4, 10), (1, 9), (6, 13), (5, 20), (2, 12)):
         assert torch.equal(linear(x[start:stop]), together[start:stop])
 
 
