@@ -258,7 +258,7 @@ class LlamaForward:
         # start + i) sees keys 0..start + i. None where SDPA's own modes cover it (one query, or
         # from 0) and where the attention kernel runs (building one cost ~1 ms per pass).
         masks = [
-            None if n == 1 or start == 0 or self._attention_kernel_runs(n)
+            None if n == 1 or start == 0 or self._attention_kernel_for(n) is not None
             else torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)
             for start, n in zip(starts, lengths)
         ]
@@ -301,15 +301,16 @@ class LlamaForward:
         logits = head_route.apply(self.lm_head, self._rms_norm(hidden[rows], self.final_norm)).float()
         return list(logits.split(counts))
 
-    def _attention_kernel_runs(self, n: int) -> bool:
-        """Whether a sequence feeding ``n`` tokens gets the attention kernel (else SDPA)."""
-        return self.attention_kernel is not None and n <= SMALL_ROWS
+    def _attention_kernel_for(self, n: int) -> Any | None:
+        """The attention kernel for a sequence feeding ``n`` tokens; None: SDPA."""
+        return self.attention_kernel if n <= SMALL_ROWS else None
 
     def _attention(self, q: torch.Tensor, cache: KVCache, layer: int, end: int, mask: torch.Tensor | None) -> torch.Tensor:
         """Causal attention of ``q`` ([n, heads, head_dim], positions end-n..end-1) over the cache."""
         n = q.shape[0]
-        if self._attention_kernel_runs(n):
-            return self.attention_kernel.decode_attention(q.contiguous(), cache.k[layer], cache.v[layer], end, self.scale)
+        kernel = self._attention_kernel_for(n)
+        if kernel is not None:
+            return kernel.decode_attention(q.contiguous(), cache.k[layer], cache.v[layer], end, self.scale)
         keys = cache.k[layer, :, :end][None]  # [1, kv_heads, end, head_dim]
         values = cache.v[layer, :, :end][None]
         query = q.transpose(0, 1)[None]  # [1, heads, n, head_dim]
