@@ -3,8 +3,8 @@
 Parrot's forward is not transformers' arithmetic (fused and quantised-block kernels, other
 summation orders; measured here: the largest |logit difference| between the two is about 1e-4 on
 real prompts). On CPUs with the compiled kernels a token's logits do not depend on how many tokens
-share its pass (last test); elsewhere verifying several tokens in one pass changes their low bits. Greedy outputs can therefore only differ where the top two logits
-are within that noise. The rule (transformers' own, `_check_similar_generate_outputs`): each
+share its pass (last test); elsewhere verifying several tokens in one pass changes their low bits.
+Greedy outputs can therefore only differ where the top two logits are within that noise. The rule (transformers' own, `_check_similar_generate_outputs`): each
 output is identical to transformers greedy, or its first divergence is a near tie, a top-2 gap of
 at most NEAR_TIE = 1e-3 (10x the measured noise). Divergences are counted and reported.
 """
