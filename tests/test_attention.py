@@ -1,4 +1,5 @@
-"""Attention of decoding passes (csrc/attention.cpp): float32-level results and batch invariance.
+"""Attention of decoding passes (csrc/kernels.cpp): float32-level results and batch invariance,
+for every kernel set this CPU runs.
 
 The property that matters to speculative decoding: a token's logits are the same bit for bit
 whether it is fed alone or with a draft after it, so verifying a draft can never pick another
@@ -10,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from server.engine.kernels import available_isas, kernels
 from server.engine.llama import LlamaForward
-from server.engine.quant import kernels
 from tests.tiny import tiny_hf_model
 
-needs_kernels = pytest.mark.skipif(kernels() is None, reason="compiled kernels unavailable on this CPU (no AVX-512)")
+each_isa = pytest.mark.parametrize("isa", available_isas())
 
 
 def _cache(kv_heads: int, capacity: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,40 +35,41 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int) -> t
     return torch.einsum("hnj,hjd->nhd", weights, values).reshape(n, heads * dim)
 
 
-@needs_kernels
-@pytest.mark.parametrize("dim,heads,kv_heads", [(16, 4, 2), (64, 9, 3), (64, 4, 4)])
+@each_isa
+@pytest.mark.parametrize("dim,heads,kv_heads", [(16, 4, 2), (64, 9, 3), (64, 4, 4), (128, 4, 1)])
 @pytest.mark.parametrize("n,end", [(1, 1), (1, 300), (3, 17), (8, 256), (8, 600), (17, 520)])
-def test_decode_attention_equals_float64_causal_attention(dim, heads, kv_heads, n, end):
+def test_decode_attention_equals_float64_causal_attention(isa, dim, heads, kv_heads, n, end):
     # Ends around the 256-position chunks the kernel splits the cache into.
     k, v = _cache(kv_heads, 640, dim, seed=n + end)
     q = torch.randn(n, heads, dim, generator=torch.Generator().manual_seed(end)) * 2
-    out = kernels().decode_attention(q, k, v, end, dim**-0.5)
+    out = kernels(isa).attention(q, k, v, end, dim**-0.5)
     torch.testing.assert_close(out.double(), _reference(q, k, v, end), atol=1e-5, rtol=1e-5)
 
 
-@needs_kernels
-def test_a_rows_result_does_not_depend_on_the_rest_of_the_pass():
+@each_isa
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_pass(isa):
     k, v = _cache(3, 1024, 64, seed=1)
     q = torch.randn(12, 9, 64, generator=torch.Generator().manual_seed(2))
     end = 700
-    together = kernels().decode_attention(q, k, v, end, 0.125)
+    together = kernels(isa).attention(q, k, v, end, 0.125)
     for t in range(12):
         # token t alone: the cache then ends at its own position
-        alone = kernels().decode_attention(q[t : t + 1].contiguous(), k, v, end - 12 + t + 1, 0.125)
+        alone = kernels(isa).attention(q[t : t + 1], k, v, end - 12 + t + 1, 0.125)
         assert torch.equal(alone[0], together[t])
 
 
-@needs_kernels
-def test_unsupported_head_shapes_are_declined():
-    supports = kernels().decode_attention_supports
+@each_isa
+def test_unsupported_head_shapes_are_declined(isa):
+    supports = kernels(isa).attention_supports
     assert supports(64, 9, 3) and supports(16, 4, 2) and supports(128, 32, 8)
-    assert not supports(24, 4, 2)  # head size not a multiple of 16 that the kernel has
+    assert not supports(24, 4, 2)  # a head size the kernels have no tile for
     assert not supports(64, 9, 2)  # heads not a multiple of kv heads
 
 
-@needs_kernels
-def test_forward_logits_of_a_token_do_not_depend_on_the_draft_fed_with_it():
-    forward = LlamaForward(tiny_hf_model(5), 512)
+@each_isa
+def test_forward_logits_of_a_token_do_not_depend_on_the_draft_fed_with_it(isa):
+    # float32 weights (no GGUF blocks): oneDNN linears and the attention kernel
+    forward = LlamaForward(tiny_hf_model(5), 512, isa=isa)
     assert forward.attention_kernel is not None
     prompt = torch.randint(0, 64, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     verify, plain = forward.new_cache(400), forward.new_cache(400)

@@ -1,11 +1,17 @@
-"""GGUF block weights and their compiled kernel: exact weights, float32-level products, invariance."""
+"""GGUF block weights and their compiled kernels: exact weights, float32-level products, invariance.
+
+The kernel tests run every kernel set this CPU can run (kernels.available_isas(): an AVX-512
+machine tests AVX-512, AVX2 and portable; an AVX2 machine AVX2 and portable), so none is skipped
+for lack of a CPU feature.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from server.engine.quant import BlockLinear, BlockWeight, _unpermute_rows, kernels
+from server.engine.kernels import available_isas, kernels
+from server.engine.quant import BlockWeight, _unpermute_rows
 
 
 def _random_q4_1(n: int, k: int, seed: int = 0) -> BlockWeight:
@@ -43,33 +49,38 @@ def test_unpermuted_rows_match_transformers_reverse_permute():
     assert torch.equal(w[_unpermute_rows(rows, n_head)], expected)
 
 
-needs_kernels = pytest.mark.skipif(kernels() is None, reason="block kernels unavailable on this CPU (no AVX-512)")
+def test_every_cpu_runs_the_portable_kernels():
+    isas = available_isas()
+    assert isas[-1] == "portable" and kernels("portable") is not None
+    with pytest.raises(ValueError, match="not one this CPU runs"):
+        kernels("no-such-isa")
 
 
-@needs_kernels
+@pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("make", [_random_q4_1, _random_q8_0])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 8, 9, 17, 33])
-def test_block_kernel_equals_float32_matmul_of_the_dequantized_weights(make, rows):
-    w = make(70, 576)  # 70 output rows: not a multiple of the kernel's 4- or 3-row weight tiles
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33])
+def test_block_kernel_equals_float32_matmul_of_the_dequantized_weights(isa, make, rows):
+    w = make(70, 576)  # 70 output rows: not a multiple of the kernels' 4-, 3- or 2-row weight tiles
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
-    y = BlockLinear(w, kernels())(x)
-    expected = x.double() @ w.dequantize().double().T
+    bias = torch.randn(70)
+    y = kernels(isa).linear(x, w, bias)
+    expected = x.double() @ w.dequantize().double().T + bias.double()
     torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-5)
 
 
-@needs_kernels
-def test_block_kernel_rows_do_not_depend_on_the_rest_of_the_batch():
-    linear = BlockLinear(_random_q4_1(64, 1536), kernels())
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("make", [_random_q4_1, _random_q8_0])
+def test_block_kernel_rows_do_not_depend_on_the_rest_of_the_batch(isa, make):
+    w = make(64, 1536)
     x = torch.randn(20, 1536, generator=torch.Generator().manual_seed(1))
-    together = linear(x)
-    # 1 row; 5, 6 and 8 rows (one tile each); 7 (one 8-row tile short of a row); 15 and 10 rows
-    for start, stop in ((0, 1), (3, 8), (4, 10), (1, 9), (6, 13), (5, 20), (2, 12)):
-        assert torch.equal(linear(x[start:stop]), together[start:stop])
+    together = kernels(isa).linear(x, w)
+    # every tile shape of every kernel set: 1..8 rows in one tile, and 9..15 rows in two
+    for start, stop in ((0, 1), (3, 5), (2, 5), (3, 7), (3, 8), (4, 10), (1, 9), (6, 13), (5, 20), (2, 12), (0, 15)):
+        assert torch.equal(kernels(isa).linear(x[start:stop], w), together[start:stop])
 
 
-@needs_kernels
 def test_embedded_model_uses_block_kernels_with_exact_weights(embedded_engine):
     # Every block matrix was checked bit for bit against transformers' weights when the GGUF
     # was converted; a mismatch would leave that layer on float32 weights.
     forward = embedded_engine.forward
-    assert forward.block_kernels and forward.lm_head.block is not None
+    assert forward.block_kernels and forward.lm_head.block is not None and forward.native is not None

@@ -10,9 +10,11 @@ MKL's `sgemm` repacks every weight on every call, so 2 tokens cost 2x one token)
   the same measurement) and the result of each row independent of how many rows are computed
   together (the linear layers and RMSNorm are batch-invariant bit for bit);
 - the KV cache is one tensor per sequence, written in place; cropping it is setting a length;
-- attention of passes feeding up to 32 tokens per sequence runs in a compiled kernel
-  (csrc/attention.cpp) that computes every (token, head) row on its own, so with the block
-  kernels a token's logits are the same bit for bit alone or with a draft; prompt chunks use SDPA.
+- sequences feeding up to 32 tokens (decoding passes) go through the compiled kernels
+  (kernels.py, csrc/kernels.cpp): with GGUF blocks for every linear layer, the whole pass is one
+  call (norms, block linears, RoPE, attention, SiLU, residuals), which computes every row on its
+  own, so a token's logits are the same bit for bit alone or with a draft; without blocks, the
+  attention kernel alone. Prompt chunks use float32 GEMM and SDPA.
 
 The weights, rotary tables and normalisation come from the loaded transformers model, so the
 arithmetic is the same as transformers' (same RMSNorm formula, the model's own rotary module).
@@ -28,11 +30,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from server.engine.quant import MAX_ROWS as SMALL_ROWS
-from server.engine.quant import BlockLinear, BlockWeight
-from server.engine.quant import kernels as load_kernels
+from server.engine.kernels import Kernels, LayerDesc, ModelDesc, SeqDesc, mat
+from server.engine.kernels import kernels as load_kernels
+from server.engine.quant import BlockWeight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Rows per sequence up to which the block kernels beat float32 GEMM (measured on the embedded
+# model); longer prompt chunks go through GEMM.
+SMALL_ROWS = 32
 
 
 def native_support(hf_model: Any) -> str | None:
@@ -79,24 +84,33 @@ class Linear:
     only on how many tokens its own sequence feeds, never on the rest of the batch.
     """
 
-    def __init__(self, names: Sequence[str], modules: Sequence[torch.nn.Linear], blocks: dict[str, Any], kernels: Any) -> None:
+    def __init__(self, names: Sequence[str], modules: Sequence[torch.nn.Linear], blocks: dict[str, BlockWeight],
+                 kernels: Kernels | None) -> None:
         weight = torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight
         biases = [m.bias for m in modules]
-        bias = None
+        self.bias = None
         if any(b is not None for b in biases):
-            bias = torch.cat([b if b is not None else m.weight.new_zeros(m.out_features) for m, b in zip(modules, biases)])
-        self.dense = PackedLinear(weight, bias)
-        self.block: Any = None
-        parts: list[BlockWeight] = [blocks[name] for name in names if name in blocks]
-        if kernels is not None and bias is None and len(parts) == len(names) and len({p.kind for p in parts}) == 1:
-            self.block = BlockLinear(BlockWeight.cat(parts) if len(parts) > 1 else parts[0], kernels)
+            self.bias = torch.cat([b if b is not None else m.weight.new_zeros(m.out_features)
+                                   for m, b in zip(modules, biases)]).detach().contiguous()
+        self.dense = PackedLinear(weight, self.bias)
+        self.kernels = kernels
+        self.block: BlockWeight | None = None
+        parts = [blocks[name] for name in names if name in blocks]
+        if kernels is not None and len(parts) == len(names) and len({p.kind for p in parts}) == 1:
+            self.block = BlockWeight.cat(parts) if len(parts) > 1 else parts[0]
 
     def __call__(self, x: torch.Tensor, small: bool = False) -> torch.Tensor:
-        return self.block(x) if small and self.block is not None else self.dense(x)
+        if small and self.block is not None and self.kernels is not None:
+            return self.kernels.linear(x, self.block, self.bias)
+        return self.dense(x)
+
+    def mat(self) -> Any:
+        assert self.block is not None
+        return mat(self.block, self.bias)
 
 
 class _Layer:
-    def __init__(self, index: int, layer: Any, blocks: dict[str, Any], kernels: Any) -> None:
+    def __init__(self, index: int, layer: Any, blocks: dict[str, BlockWeight], kernels: Kernels | None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         p = f"model.layers.{index}."
         names = {n: f"{p}{n}.weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
@@ -180,9 +194,11 @@ class KVCache:
 class LlamaForward:
     """Forward passes of a Llama-family transformers model over ``KVCache`` objects."""
 
-    def __init__(self, hf_model: Any, max_positions: int, blocks: dict[str, Any] | None = None) -> None:
+    def __init__(self, hf_model: Any, max_positions: int, blocks: dict[str, BlockWeight] | None = None,
+                 isa: str | None = None) -> None:
         """``blocks``: GGUF block weights by parameter name (see quant.py), used for small passes
-        when the compiled kernel is available on this CPU."""
+        when the compiled kernels are available on this CPU; ``isa``: which kernel set (default:
+        the best this CPU runs, see kernels.py)."""
         reason = native_support(hf_model)
         if reason is not None:
             raise ValueError(f"native forward does not support {reason}")
@@ -199,18 +215,19 @@ class LlamaForward:
         self.vocab_size = config.vocab_size
         kernels = None
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            kernels = load_kernels()
-        # Attention of decoding passes through the compiled kernel (csrc/attention.cpp) where it
-        # covers the head shape; prompt chunks and everything else through SDPA.
+            kernels = load_kernels(isa)
+        self.kernels = kernels
+        # Attention of decoding passes through the compiled kernel where it covers the head
+        # shape; prompt chunks and everything else through SDPA.
         self.attention_kernel = None
-        if kernels is not None and kernels.decode_attention_supports(self.head_dim, self.num_heads, self.num_kv_heads):
+        if kernels is not None and kernels.attention_supports(self.head_dim, self.num_heads, self.num_kv_heads):
             self.attention_kernel = kernels
         self.scale = self.head_dim ** -0.5
         blocks = blocks or {}
         with torch.inference_mode():
-            self.embed = inner.embed_tokens.weight.detach()
+            self.embed = inner.embed_tokens.weight.detach().contiguous()
             self.layers = [_Layer(i, layer, blocks, kernels) for i, layer in enumerate(inner.layers)]
-            self.final_norm = inner.norm.weight.detach()
+            self.final_norm = inner.norm.weight.detach().contiguous()
             self.lm_head = Linear(["lm_head.weight"], [hf_model.lm_head], blocks, kernels)
             # The model's own rotary module computes the tables (it knows the rope scaling type).
             positions = torch.arange(max_positions, device=self.device)[None]
@@ -219,6 +236,30 @@ class LlamaForward:
             self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [positions, head_dim]
         self.block_kernels = kernels is not None and all(
             linear.block is not None for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
+        # The whole decoding pass in one kernel call, where every linear layer has blocks.
+        self.native: ModelDesc | None = None
+        if self.block_kernels and self.attention_kernel is not None and self.lm_head.block is not None:
+            self.native = self._describe(config)
+
+    def _describe(self, config: Any) -> ModelDesc:
+        """The kernel library's view of the model; its pointers stay valid while self lives."""
+        def norm(t: torch.Tensor) -> int:
+            return t.contiguous().data_ptr()
+
+        for layer in self.layers:  # the kernels read the norms in place
+            layer.input_norm, layer.post_norm = layer.input_norm.contiguous(), layer.post_norm.contiguous()
+        self._layer_descs = (LayerDesc * self.num_layers)(*[
+            LayerDesc(layer.qkv.mat(), layer.o.mat(), layer.gate_up.mat(), layer.down.mat(),
+                      norm(layer.input_norm), norm(layer.post_norm))
+            for layer in self.layers
+        ])
+        return ModelDesc(
+            num_layers=self.num_layers, hidden=config.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, intermediate=config.intermediate_size, vocab=self.vocab_size,
+            max_positions=self.max_positions, eps=self.eps, scale=self.scale, threads=1,
+            embed=self.embed.data_ptr(), cos=self.cos.data_ptr(), sin=self.sin.data_ptr(),
+            final_norm=self.final_norm.data_ptr(), lm_head=self.lm_head.mat(), layers=self._layer_descs,
         )
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -240,8 +281,38 @@ class LlamaForward:
         """Feed ``tokens`` to each ``cache`` in one pass; return each one's last ``num_logits`` logits.
 
         Each entry is ``(cache, tokens, num_logits)``. The caches grow by ``len(tokens)``.
-        Returns one ``[num_logits, vocab]`` float tensor per entry.
+        Returns one ``[num_logits, vocab]`` float tensor per entry. Sequences feeding few tokens
+        go through the compiled pass where the model has one, the rest through torch; either
+        way a sequence's result depends only on its own tokens.
         """
+        if self.native is None:
+            return self._torch_forward(batch)
+        small = [i for i, (_, tokens, _) in enumerate(batch) if len(tokens) <= SMALL_ROWS]
+        large = [i for i, (_, tokens, _) in enumerate(batch) if len(tokens) > SMALL_ROWS]
+        results: list[torch.Tensor | None] = [None] * len(batch)
+        if small:
+            for i, logits in zip(small, self._native_forward([batch[i] for i in small])):
+                results[i] = logits
+        if large:
+            for i, logits in zip(large, self._torch_forward([batch[i] for i in large])):
+                results[i] = logits
+        return [r for r in results if r is not None]
+
+    def _native_forward(self, batch: Sequence[tuple[KVCache, Sequence[int], int]]) -> list[torch.Tensor]:
+        assert self.native is not None and self.kernels is not None
+        seqs = []
+        for cache, tokens, num_logits in batch:
+            cache.reserve(cache.length + len(tokens))
+            seqs.append(SeqDesc(cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, cache.length, len(tokens), num_logits))
+        ids = torch.tensor([t for _, tokens, _ in batch for t in tokens], dtype=torch.int64)
+        counts = [num_logits for _, _, num_logits in batch]
+        logits = torch.empty(sum(counts), self.vocab_size, dtype=torch.float32)
+        self.kernels.forward(self.native, seqs, ids, logits)
+        for cache, tokens, _ in batch:
+            cache.length += len(tokens)
+        return list(logits.split(counts))
+
+    def _torch_forward(self, batch: Sequence[tuple[KVCache, Sequence[int], int]]) -> list[torch.Tensor]:
         lengths = [len(tokens) for _, tokens, _ in batch]
         starts = [cache.length for cache, _, _ in batch]
         for (cache, _, _), start, n in zip(batch, starts, lengths):
@@ -310,7 +381,7 @@ class LlamaForward:
         n = q.shape[0]
         kernel = self._attention_kernel_for(n)
         if kernel is not None:
-            return kernel.decode_attention(q.contiguous(), cache.k[layer], cache.v[layer], end, self.scale)
+            return kernel.attention(q, cache.k[layer], cache.v[layer], end, self.scale)
         keys = cache.k[layer, :, :end][None]  # [1, kv_heads, end, head_dim]
         values = cache.v[layer, :, :end][None]
         query = q.transpose(0, 1)[None]  # [1, heads, n, head_dim]

@@ -18,6 +18,7 @@ import torch
 from server.config import ModelConfig
 from server.engine.hf_runner import HFForward
 from server.engine.llama import LlamaForward, native_support
+from server.engine.paths import cache_root
 from tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("parrot.engine")
@@ -99,10 +100,6 @@ def choose_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-def cache_root() -> str:
-    return os.environ.get("PARROT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "parrot")
 
 
 def _conversion_dir(source: ModelSource) -> str:

@@ -1,45 +1,27 @@
-"""Weights kept in their GGUF block formats (Q4_1, Q8_0), multiplied by a compiled kernel.
+"""GGUF block weights (Q4_1, Q8_0): read from the file, checked, cached, de-quantised.
 
 A decoding pass over a few tokens is bound by reading the weights: the embedded model's float32
-weights are 540 MB, its GGUF blocks 76 MB. ``csrc/quant_linear.cpp`` multiplies float32
-activations by the blocks directly, expanding each block in registers exactly as the GGUF defines
-it; measured on these 2 cores over the model's 30 layers, 1 token costs 9 ms instead of 32 ms
-with packed float32 weights, 8 tokens 18 ms instead of 36, 16 tokens 31 instead of 46, and
-beyond about 32 rows float32 GEMM wins (so long prompt chunks keep using it).
+weights are 540 MB, its GGUF blocks 76 MB. The compiled kernels (kernels.py, csrc/kernels.cpp)
+multiply float32 activations by the blocks directly, expanding each block in registers exactly
+as the GGUF defines it.
 
 Exactness: the blocks are taken from the GGUF file, put in the row order transformers uses (it
 un-permutes the q and k projections of Llama GGUFs), and checked at conversion time: every
 block matrix, de-quantised here, must equal transformers' float32 weight bit for bit, or it is
-not used. The kernel then differs from a float32 matmul of the same weights only in the order of
-its additions (about 1e-6 relative), like any two BLAS libraries.
-
-The same module holds the attention kernel of decoding passes (``csrc/attention.cpp``, used by
-llama.py for any float32 model on CPU). The kernels are compiled once per machine (about a
-minute, with the system C++ compiler, cached under the Parrot cache directory) and only on CPUs
-with AVX-512; elsewhere, or if compiling fails, Parrot logs why and uses float32 weights and SDPA.
+not used. The kernels then differ from a float32 matmul of the same weights only in the order
+of their additions (about 1e-6 relative), like any two BLAS libraries.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import shutil
-import sys
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import torch
 
 log = logging.getLogger("parrot.engine")
-
-_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-# One module: the block-format linear layers, and attention for decoding passes (attention.cpp).
-SOURCES = [os.path.join(_CSRC, "quant_linear.cpp"), os.path.join(_CSRC, "attention.cpp")]
-# Rows per sequence up to which the block kernel beats float32 GEMM (measured, see above).
-MAX_ROWS = 32
 
 _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -50,57 +32,6 @@ _GGUF_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-def _cpu_has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "fma"))
-
-
-@lru_cache(maxsize=1)
-def kernels() -> Any | None:
-    """The compiled kernel module, or None (with the reason logged) when it cannot be used."""
-    if os.environ.get("PARROT_QUANT_KERNELS", "1") == "0":
-        log.info("compiled kernels disabled by PARROT_QUANT_KERNELS=0 (float32 weights, SDPA attention)")
-        return None
-    if not _cpu_has_avx512():
-        log.info("compiled kernels need AVX-512; using float32 weights and SDPA attention")
-        return None
-    from torch.utils.cpp_extension import load
-
-    # torch runs `ninja` from PATH; the ninja package installs it next to this interpreter, which
-    # is not on PATH when the virtualenv's python is run without activating it.
-    bindir = os.path.dirname(sys.executable)
-    if shutil.which("ninja") is None and shutil.which("ninja", path=bindir) is not None:
-        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-
-    from server.engine.loader import cache_root
-
-    digest_of = hashlib.sha256(torch.__version__.encode())
-    for path in SOURCES:
-        with open(path, "rb") as f:
-            digest_of.update(f.read())
-    digest = digest_of.hexdigest()[:12]
-    build = os.path.join(cache_root(), "kernels", f"quant_linear_{digest}")
-    os.makedirs(build, exist_ok=True)
-    if not os.listdir(build):
-        log.info("compiling the block-format and attention kernels (once per machine, about a minute)")
-    try:
-        return load(
-            name=f"parrot_quant_linear_{digest}",
-            sources=SOURCES,
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=build,
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, ...: fall back, and say so
-        log.warning("could not build the compiled kernels (%s); using float32 weights and SDPA attention", exc)
-        return None
 
 
 @dataclass
@@ -229,16 +160,3 @@ def load_blocks(path: str) -> dict[str, BlockWeight]:
             m = f.get_tensor(f"{name}.m") if kind == "q4_1" else None
             blocks[name] = BlockWeight(kind, f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.d"), m)
     return blocks
-
-
-class BlockLinear:
-    """``x @ W.T`` with W in block format, through the compiled kernel."""
-
-    def __init__(self, weight: BlockWeight, module: Any) -> None:
-        self.weight = weight
-        self._fn = module.q4_1_linear if weight.kind == "q4_1" else module.q8_0_linear
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        x = x.contiguous()
-        return self._fn(x, w.qs, w.d, w.m) if w.m is not None else self._fn(x, w.qs, w.d)

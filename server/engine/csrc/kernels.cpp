@@ -1,0 +1,496 @@
+// Parrot's CPU kernels: linear layers over GGUF block weights, causal attention of a few new
+// tokens over a KV cache, and a whole decoding pass of a Llama-family model in one call.
+//
+// Compiled once per instruction set (simd.h: AVX-512, AVX2 + FMA, portable) into a plain shared
+// library with a C interface, loaded by server/engine/quant.py with ctypes.
+//
+// Batch invariance, the property greedy drafting's exactness rests on: every output element is
+// computed by a sequence of operations fixed by its own row (its token, position and sequence),
+// never by how many rows are computed with it, which tile they fall in, or which thread runs
+// them. So a token's logits are the same bit for bit decoded alone or followed by a draft.
+//
+// Why a whole pass in one call: a decoding pass over the embedded model is ~20 small operations
+// in each of 30 layers; dispatched one by one from Python/torch they cost more than the
+// arithmetic (the weights of a 135M model stream from memory in a few milliseconds).
+
+#include "simd.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+using namespace simd;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Linear layers: y = x @ W^T (+ bias) for W [N, K] in GGUF blocks of 32 along K.
+
+enum Kind : int32_t { Q4_1 = 1, Q8_0 = 2 };
+
+struct Q4_1W {
+  const uint8_t* qs;  // [N, K / 2]
+  const float* d;     // [N, K / 32]
+  const float* m;     // [N, K / 32]
+  int64_t K;
+  inline F part(int64_t n, int64_t b, int s) const {
+    const int64_t i = n * (K / 32) + b;
+    return q4_1(qs + n * (K / 2) + b * 16, s, set1(d[i]), set1(m[i]));
+  }
+};
+
+struct Q8_0W {
+  const int8_t* qs;  // [N, K]
+  const float* d;    // [N, K / 32]
+  int64_t K;
+  inline F part(int64_t n, int64_t b, int s) const {
+    return q8_0(qs + n * K + b * 32, s, set1(d[n * (K / 32) + b]));
+  }
+};
+
+// MT rows of x against NT weight rows n .. n + NT - 1. Each accumulator acc[i][j] sums
+// w[j] part * x[i] part over blocks and parts in order, then its lanes in hsum's order: the same
+// sequence whatever MT and NT are. Each part of a weight block is expanded once for the MT rows
+// and each x part is loaded once for the NT weight rows (pinned in a register).
+template <int MT, int NT, class W>
+inline void tile(const W& w, const float* x, int64_t K, int64_t n, float* y, int64_t N) {
+  F acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = zero();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    for (int s = 0; s < PARTS; ++s) {
+      F wp[NT];
+      for (int j = 0; j < NT; ++j) wp[j] = w.part(n + j, b, s);
+      for (int i = 0; i < MT; ++i) {
+        F xp = load(x + i * K + b * 32 + s * L);
+        pin(xp);
+        for (int j = 0; j < NT; ++j) acc[i][j] = fmadd(wp[j], xp, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) y[i * N + n + j] = hsum(acc[i][j]);
+}
+
+// Rows left after the full MT-row tiles: one tile of R rows (R < MT).
+template <int R, int MT, int NT, class W>
+inline void rest(const W& w, const float* x, int64_t left, int64_t K, int64_t n, float* y, int64_t N) {
+  if constexpr (R > 0 && R < MT) {
+    if (left == R) tile<R, NT>(w, x, K, n, y, N);
+    else rest<R - 1, MT, NT>(w, x, left, K, n, y, N);
+  }
+}
+
+template <int MT, int NT, class W>
+inline void columns(const W& w, const float* x, int64_t M, int64_t K, int64_t n, float* y, int64_t N) {
+  int64_t i = 0;
+  for (; i + MT <= M; i += MT) tile<MT, NT>(w, x + i * K, K, n, y + i * N, N);
+  rest<MT - 1, MT, NT>(w, x + i * K, M - i, K, n, y + i * N, N);
+}
+
+template <int MT, int NT, class W>
+void run(const W& w, const float* x, int64_t M, int64_t K, float* y, int64_t N, int threads) {
+  const int64_t tiled = N - N % NT;
+  #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t n = 0; n < tiled; n += NT) columns<MT, NT>(w, x, M, K, n, y, N);
+  for (int64_t n = tiled; n < N; ++n) columns<MT, 1>(w, x, M, K, n, y, N);
+}
+
+// Tile shapes by the number of rows, so that each weight block is expanded once per pass for up
+// to 8 rows: MT x NT accumulators, NT expanded weight parts and one x part fit the registers.
+template <class W>
+void linear_rows(const W& w, const float* x, int64_t M, int64_t K, float* y, int64_t N, int threads) {
+  if constexpr (REGISTERS >= 32) {
+    if (M <= 4) run<4, 4>(w, x, M, K, y, N, threads);
+    else if (M == 5) run<5, 4>(w, x, M, K, y, N, threads);
+    else if (M == 6) run<6, 4>(w, x, M, K, y, N, threads);
+    else run<8, 3>(w, x, M, K, y, N, threads);
+  } else {
+    if (M <= 2) run<2, 4>(w, x, M, K, y, N, threads);
+    else if (M == 3) run<3, 3>(w, x, M, K, y, N, threads);
+    else if (M == 4) run<4, 2>(w, x, M, K, y, N, threads);
+    else if (M <= 6) run<6, 2>(w, x, M, K, y, N, threads);
+    else run<8, 1>(w, x, M, K, y, N, threads);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// One weight matrix as the library sees it (quant.py builds these).
+struct Mat {
+  int32_t kind;
+  int64_t N, K;
+  const void* qs;
+  const float* d;
+  const float* m;     // Q4_1 only
+  const float* bias;  // [N] or null
+};
+
+void parrot_linear(const Mat* w, const float* x, int64_t M, float* y, int threads) {
+  if (w->kind == Q4_1) {
+    linear_rows(Q4_1W{(const uint8_t*)w->qs, w->d, w->m, w->K}, x, M, w->K, y, w->N, threads);
+  } else {
+    linear_rows(Q8_0W{(const int8_t*)w->qs, w->d, w->K}, x, M, w->K, y, w->N, threads);
+  }
+  if (w->bias != nullptr)
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t n = 0; n < w->N; ++n) y[i * w->N + n] += w->bias[n];
+}
+
+}  // extern "C"
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Attention of n new tokens (the last n of `end` cached positions) of one sequence.
+//
+// Work is split by key/value head and by chunks of CHUNK cached positions at fixed offsets
+// (0, CHUNK, 2 CHUNK, ...). One item computes, for every query row of its head group (each new
+// token x each query head reading that key/value head), the scores over the chunk's keys that
+// row may see, their maximum, exp(s - max), its sum, and sum p v, reading each key and value
+// once for all rows: keys L at a time, transposed once so that each score is a run of
+// multiply-adds with no horizontal sums. Partial results are then merged per row in chunk order.
+// Every step of a row's arithmetic is fixed by its own query, its position and the chunk offsets.
+//
+// Grouped-query attention: query head h reads key/value head h / (heads / kv_heads), as
+// transformers' repeat_kv does.
+
+constexpr int64_t CHUNK = 256;
+
+// Scores of GR rows (scaled queries qs, D apart) against a transposed tile of L keys.
+template <int C, int GR>
+inline void score_rows(const float* qs, const float* kt, float* scores) {
+  constexpr int D = L * C;
+  F even[GR], odd[GR];
+  for (int g = 0; g < GR; ++g) even[g] = odd[g] = zero();
+  for (int d = 0; d < D; d += 2) {
+    const F k0 = load(kt + d * L), k1 = load(kt + (d + 1) * L);
+    for (int g = 0; g < GR; ++g) {
+      even[g] = fmadd(set1(qs[g * D + d]), k0, even[g]);
+      odd[g] = fmadd(set1(qs[g * D + d + 1]), k1, odd[g]);
+    }
+  }
+  for (int g = 0; g < GR; ++g) store(scores + g * CHUNK, add(even[g], odd[g]));
+}
+
+// o_r += p_rj v_j for keys j < m of one tile, for GR rows r (their weights at scores + r * CHUNK,
+// their sums at part + r * (D + 2) + 2), one L-lane slice of the head dimension at a time.
+template <int C, int GR>
+inline void weighted_values(const int64_t* rows, int64_t m, const float* scores, const float* values, float* part) {
+  constexpr int D = L * C;
+  for (int c = 0; c < C; ++c) {
+    F o[GR];
+    for (int g = 0; g < GR; ++g) o[g] = load(part + rows[g] * (D + 2) + 2 + c * L);
+    for (int64_t j = 0; j < m; ++j) {
+      const F v = load(values + j * D + c * L);
+      for (int g = 0; g < GR; ++g) o[g] = fmadd(set1(scores[rows[g] * CHUNK + j]), v, o[g]);
+    }
+    for (int g = 0; g < GR; ++g) store(part + rows[g] * (D + 2) + 2 + c * L, o[g]);
+  }
+}
+
+// One item: rows r = t * G + g (token t sees keys < limit[t]) against keys [c0, c1) of one
+// key/value head. Writes per row: max, sum of exp(s - max), sum of exp(s - max) v (D floats);
+// max = -inf when the row sees none of the chunk.
+template <int C>
+void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const float* keys,
+           const float* values, int64_t c0, int64_t c1, float* scores, float* part) {
+  constexpr int D = L * C;
+  const int64_t R = n * G, S = c1 - c0;
+  std::vector<int64_t> seen(R);  // keys of this chunk each row sees
+  for (int64_t r = 0; r < R; ++r) seen[r] = std::min(std::max(limit[r / G] - c0, (int64_t)0), S);
+  // Scores, L keys at a time, each a sum over d in a fixed order (even and odd d apart, then
+  // added). A partial tile points its missing keys at zeros (their scores are never used).
+  alignas(64) static const float zeros[D] = {};
+  alignas(64) float kt[D * L];
+  for (int64_t j0 = 0; j0 < S; j0 += L) {
+    const float* kp[L];
+    for (int j = 0; j < L; ++j) kp[j] = j0 + j < S ? keys + (c0 + j0 + j) * D : zeros;
+    for (int c = 0; c < C; ++c) transpose(kp, c * L, kt + c * L * L);
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) score_rows<C, 4>(qs + r * D, kt, scores + r * CHUNK + j0);
+    switch (R - r) {
+      case 1: score_rows<C, 1>(qs + r * D, kt, scores + r * CHUNK + j0); break;
+      case 2: score_rows<C, 2>(qs + r * D, kt, scores + r * CHUNK + j0); break;
+      case 3: score_rows<C, 3>(qs + r * D, kt, scores + r * CHUNK + j0); break;
+      default: break;
+    }
+  }
+  // Softmax pieces per row over the keys it sees in this chunk; a partial last vector is padded
+  // with -inf (exp gives 0 there).
+  alignas(64) float tail[L];
+  for (int64_t r = 0; r < R; ++r) {
+    float* pr = part + r * (D + 2);
+    float* sr = scores + r * CHUNK;
+    if (seen[r] == 0) {
+      pr[0] = -INFINITY;
+      pr[1] = 0.0f;
+      continue;
+    }
+    auto piece = [&](int64_t j0) {
+      if (j0 + L <= seen[r]) return load(sr + j0);
+      for (int j = 0; j < L; ++j) tail[j] = j0 + j < seen[r] ? sr[j0 + j] : -INFINITY;
+      return load(tail);
+    };
+    F best = set1(-INFINITY);
+    for (int64_t j0 = 0; j0 < seen[r]; j0 += L) best = max(best, piece(j0));
+    const float top = hmax(best);
+    const F bv = set1(top);
+    F total = zero();
+    for (int64_t j0 = 0; j0 < seen[r]; j0 += L) {
+      const F e = exp(sub(piece(j0), bv));
+      store(sr + j0, e);  // zero past `seen`
+      total = add(total, e);
+    }
+    pr[0] = top;
+    pr[1] = hsum(total);
+    for (int c = 0; c < C; ++c) store(pr + 2 + c * L, zero());
+  }
+  // sum_j p_j v_j in key order for every row. Rows that see the whole tile go through it in
+  // groups (each value vector loaded once per group), the others one by one; both do the same
+  // multiply-adds in the same order.
+  std::vector<int64_t> whole;
+  whole.reserve(R);
+  constexpr int GR = REGISTERS / 2;
+  for (int64_t j0 = 0; j0 < S; j0 += L) {
+    const int64_t m = S - j0 < L ? S - j0 : L;
+    whole.clear();
+    for (int64_t r = 0; r < R; ++r) {
+      if (j0 >= seen[r]) continue;
+      const int64_t upto = std::min(m, seen[r] - j0);
+      if (upto == m) whole.push_back(r);
+      else weighted_values<C, 1>(&r, upto, scores + j0, values + (c0 + j0) * D, part);
+    }
+    size_t i = 0;
+    for (; i + GR <= whole.size(); i += GR) weighted_values<C, GR>(whole.data() + i, m, scores + j0, values + (c0 + j0) * D, part);
+    for (; i < whole.size(); ++i) weighted_values<C, 1>(whole.data() + i, m, scores + j0, values + (c0 + j0) * D, part);
+  }
+}
+
+using ChunkFn = void (*)(const float*, int64_t, int64_t, const int64_t*, const float*, const float*,
+                         int64_t, int64_t, float*, float*);
+
+ChunkFn pick(int64_t D) {
+  switch (D) {
+    case 16: return chunk<16 / L>;
+    case 32: return chunk<32 / L>;
+    case 64: return chunk<64 / L>;
+    case 128: return chunk<128 / L>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int parrot_attention_supports(int64_t head_dim, int64_t heads, int64_t kv_heads) {
+  return kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= 16 && pick(head_dim) != nullptr;
+}
+
+// q [n, heads, D]; k, v [kv_heads, capacity, D] (one layer of one sequence's cache) holding
+// `end` positions, the last n of which are the queries' own. out [n, heads * D].
+void parrot_attention(const float* q, int64_t n, int64_t heads, int64_t D, const float* k, const float* v,
+                      int64_t kv_heads, int64_t capacity, int64_t end, float scale, float* out, int threads) {
+  const int64_t G = heads / kv_heads, R = n * G, chunks = (end + CHUNK - 1) / CHUNK;
+  const ChunkFn fn = pick(D);
+  std::vector<int64_t> limit(n);
+  for (int64_t t = 0; t < n; ++t) limit[t] = end - n + t + 1;  // token t sees positions < limit[t]
+  // Partials [kv_heads, chunks, R, D + 2]: max, sum, weighted values.
+  std::vector<float> part(kv_heads * chunks * R * (D + 2));
+  // Scaled queries by key/value head: qs[h][t * G + g] = scale * q[t][h * G + g].
+  std::vector<float> qs(kv_heads * R * D);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        qs[((h / G) * R + t * G + h % G) * D + d] = q[(t * heads + h) * D + d] * scale;
+  const int64_t items = kv_heads * chunks;
+  #pragma omp parallel num_threads(threads) if (items > 1 && threads > 1)
+  {
+    std::vector<float> scores(R * CHUNK);
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < items; ++i) {
+      const int64_t h = i / chunks, c = i % chunks;
+      fn(qs.data() + h * R * D, n, G, limit.data(), k + h * capacity * D, v + h * capacity * D,
+         c * CHUNK, std::min((c + 1) * CHUNK, end), scores.data(), part.data() + i * R * (D + 2));
+    }
+  }
+  // Merge each row's chunks in order.
+  std::vector<float> acc(D);
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    for (int64_t r = 0; r < R; ++r) {
+      float top = -INFINITY;
+      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, part[((h * chunks + c) * R + r) * (D + 2)]);
+      float total = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* pr = part.data() + ((h * chunks + c) * R + r) * (D + 2);
+        if (pr[0] == -INFINITY) continue;
+        const float w = std::exp(pr[0] - top);
+        total += pr[1] * w;
+        for (int64_t d = 0; d < D; ++d) acc[d] += pr[2 + d] * w;
+      }
+      const int64_t t = r / G, g = r % G;
+      float* dst = out + t * heads * D + (h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = acc[d] / total;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A whole pass of a Llama-family model for sequences that each feed a few tokens.
+
+struct Layer {
+  Mat qkv, o, gate_up, down;  // q|k|v and gate|up fused along N
+  const float* input_norm;    // [hidden]
+  const float* post_norm;     // [hidden]
+};
+
+struct Model {
+  int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, max_positions;
+  float eps, scale;
+  int32_t threads;
+  const float* embed;       // [vocab, hidden] float32 rows
+  const float* cos;         // [max_positions, head_dim]
+  const float* sin;
+  const float* final_norm;  // [hidden]
+  Mat lm_head;
+  const Layer* layers;
+};
+
+// One sequence of a pass: its cache (k, v [layers, kv_heads, capacity, head_dim], `start`
+// positions filled), the n tokens it feeds, and how many of its last rows need logits.
+struct Seq {
+  float* k;
+  float* v;
+  int64_t capacity, start, n, num_logits;
+};
+
+}  // extern "C"
+
+namespace {
+
+// transformers' LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)), the sum of squares in a fixed order.
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t H, float eps, float* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* xr = x + i * H;
+    F sq = zero();
+    int64_t h = 0;
+    for (; h + L <= H; h += L) { const F v = load(xr + h); sq = fmadd(v, v, sq); }
+    float sum = hsum(sq);
+    for (; h < H; ++h) sum += xr[h] * xr[h];
+    const float inv = 1.0f / std::sqrt(sum / (float)H + eps);
+    for (h = 0; h < H; ++h) out[i * H + h] = weight[h] * (xr[h] * inv);
+  }
+}
+
+// x * cos + rotate_half(x) * sin over each head of one row (rotate_half(x) = [-x2, x1]).
+void rope(float* x, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  float tmp[256];
+  for (int64_t h = 0; h < heads; ++h) {
+    float* xh = x + h * D;
+    for (int64_t d = 0; d < half; ++d) tmp[d] = xh[d] * cos[d] + (-xh[d + half]) * sin[d];
+    for (int64_t d = half; d < D; ++d) tmp[d] = xh[d] * cos[d] + xh[d - half] * sin[d];
+    std::memcpy(xh, tmp, D * sizeof(float));
+  }
+}
+
+// silu(gate) * up = gate * up / (1 + exp(-gate)), per row [gate | up] -> [I].
+void silu_mul(const float* gu, int64_t rows, int64_t I, float* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* g = gu + i * 2 * I;
+    const float* u = g + I;
+    int64_t j = 0;
+    for (; j + L <= I; j += L) {
+      const F gv = load(g + j);
+      store(out + i * I + j, div(mul(gv, load(u + j)), add(set1(1.0f), exp(sub(zero(), gv)))));
+    }
+    for (; j < I; ++j) out[i * I + j] = g[j] * u[j] / (1.0f + std::exp(-g[j]));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// ids: every sequence's tokens, concatenated; logits: [sum of num_logits, vocab]. Each cache
+// grows by its n tokens (the caller has reserved the room and updates its lengths).
+void parrot_forward(const Model* md, int64_t num_seqs, const Seq* seqs, const int64_t* ids, float* logits) {
+  const int64_t H = md->hidden, D = md->head_dim, heads = md->heads, kvh = md->kv_heads, I = md->intermediate;
+  const int64_t q_width = heads * D, kv_width = kvh * D, qkv_width = q_width + 2 * kv_width;
+  int64_t M = 0, rows_out = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) { M += seqs[s].n; rows_out += seqs[s].num_logits; }
+  std::vector<float> hidden(M * H), x(M * H), tmp(M * H), qkv(M * qkv_width), att(M * q_width),
+      gu(M * 2 * I), act(M * I);
+  for (int64_t i = 0; i < M; ++i) std::memcpy(&hidden[i * H], md->embed + ids[i] * H, H * sizeof(float));
+
+  for (int64_t l = 0; l < md->num_layers; ++l) {
+    const Layer& layer = md->layers[l];
+    rms_norm(hidden.data(), layer.input_norm, M, H, md->eps, x.data());
+    parrot_linear(&layer.qkv, x.data(), M, qkv.data(), md->threads);
+    int64_t row = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const Seq& seq = seqs[s];
+      const int64_t cache_layer = l * kvh * seq.capacity * D;
+      for (int64_t t = 0; t < seq.n; ++t) {
+        const int64_t pos = seq.start + t;
+        float* r = &qkv[(row + t) * qkv_width];
+        rope(r, heads + kvh, D, md->cos + pos * D, md->sin + pos * D);  // q and k heads are adjacent
+        for (int64_t h = 0; h < kvh; ++h) {
+          std::memcpy(seq.k + cache_layer + (h * seq.capacity + pos) * D, r + q_width + h * D, D * sizeof(float));
+          std::memcpy(seq.v + cache_layer + (h * seq.capacity + pos) * D, r + q_width + kv_width + h * D, D * sizeof(float));
+        }
+      }
+      // The attention kernel reads q as [n, heads, D]: gather this sequence's q rows.
+      std::vector<float> q(seq.n * q_width);
+      for (int64_t t = 0; t < seq.n; ++t) std::memcpy(&q[t * q_width], &qkv[(row + t) * qkv_width], q_width * sizeof(float));
+      parrot_attention(q.data(), seq.n, heads, D, seq.k + cache_layer, seq.v + cache_layer, kvh, seq.capacity,
+                       seq.start + seq.n, md->scale, &att[row * q_width], md->threads);
+      row += seq.n;
+    }
+    parrot_linear(&layer.o, att.data(), M, tmp.data(), md->threads);
+    for (int64_t i = 0; i < M * H; ++i) hidden[i] += tmp[i];
+    rms_norm(hidden.data(), layer.post_norm, M, H, md->eps, x.data());
+    parrot_linear(&layer.gate_up, x.data(), M, gu.data(), md->threads);
+    silu_mul(gu.data(), M, I, act.data());
+    parrot_linear(&layer.down, act.data(), M, tmp.data(), md->threads);
+    for (int64_t i = 0; i < M * H; ++i) hidden[i] += tmp[i];
+  }
+  // Logits of each sequence's last num_logits rows.
+  std::vector<float> last(rows_out * H);
+  int64_t row = 0, out_row = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t first = row + seqs[s].n - seqs[s].num_logits;
+    rms_norm(&hidden[first * H], md->final_norm, seqs[s].num_logits, H, md->eps, &last[out_row * H]);
+    out_row += seqs[s].num_logits;
+    row += seqs[s].n;
+  }
+  if (rows_out > 0) parrot_linear(&md->lm_head, last.data(), rows_out, logits, md->threads);
+}
+
+const char* parrot_isa() { return ISA; }
+
+// Reads `bytes` of `data` (split between `threads` threads, as a decoding pass reads its
+// weights) `repeats` times; returns a sum so that the reads cannot be optimised away.
+float parrot_read(const float* data, int64_t bytes, int repeats, int threads) {
+  const int64_t n = bytes / (int64_t)sizeof(float);
+  float total = 0.0f;
+  for (int r = 0; r < repeats; ++r) {
+    #pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : total)
+    for (int64_t i0 = 0; i0 < n; i0 += 4096) {
+      F acc = zero();
+      const int64_t i1 = std::min(i0 + 4096, n);
+      int64_t i = i0;
+      for (; i + L <= i1; i += L) acc = add(acc, load(data + i));
+      total += hsum(acc);
+    }
+  }
+  return total;
+}
+
+}  // extern "C"

@@ -1,0 +1,264 @@
+// Float vectors of L lanes for one instruction set, chosen when the file is compiled:
+// PARROT_AVX512 (16 lanes), PARROT_AVX2 (8 lanes, AVX2 + FMA + F16C), or neither (8 lanes of GCC
+// vector extensions, which the compiler turns into whatever the target has: SSE2, NEON, ...).
+// kernels.cpp is compiled once per instruction set into its own library; quant.py picks one at
+// run time by what the CPU has.
+//
+// Every operation is a fixed sequence of instructions: a horizontal sum adds its lanes in the
+// same order every time, and nothing here depends on how many rows a kernel processes. All
+// builds use -ffp-contract=off, so a * b + c is two roundings unless fmadd is called, in every
+// inlined copy alike (a contraction chosen differently in two template instances would make a
+// row's result depend on the tile it went through).
+
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(PARROT_AVX512) || defined(PARROT_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace simd {
+
+#if defined(PARROT_AVX512)
+
+constexpr int L = 16;
+constexpr int REGISTERS = 32;
+constexpr const char* ISA = "avx512";
+struct F { __m512 v; };
+inline F zero() { return {_mm512_setzero_ps()}; }
+inline F set1(float a) { return {_mm512_set1_ps(a)}; }
+inline F load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store(float* p, F a) { _mm512_storeu_ps(p, a.v); }
+inline F add(F a, F b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline F sub(F a, F b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline F mul(F a, F b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline F div(F a, F b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline F max(F a, F b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline F fmadd(F a, F b, F c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c, one rounding
+inline float hsum(F a) { return _mm512_reduce_add_ps(a.v); }
+inline float hmax(F a) { return _mm512_reduce_max_ps(a.v); }
+// Keeps a value in a register: left alone, the compiler folds loads into the multiply-adds and
+// loads an x block once per weight row of a tile (measured: wide tiles then wait on loads).
+inline void pin(F& a) { asm("" : "+v"(a.v)); }
+
+// exp(x): x = k ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-7 Taylor polynomial (error below
+// 2e-8 relative on that interval), times 2^k. Below -87.3 it is 0.
+inline F exp(F a) {
+  __m512 x = a.v;
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);   // ln2, high part (exact product)
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);      // ln2, low part
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return {_mm512_maskz_mov_ps(~under, _mm512_scalef_ps(p, k))};
+}
+
+// Lanes of one block of 32 weights: part s (0 .. 32 / L - 1) holds values s L .. s L + L - 1.
+// Q4_1: byte j holds value j in its low nibble and value j + 16 in its high nibble; d * q is
+// exact in float32, so the fused multiply-add rounds once, like the reference's multiply and add.
+inline F q4_1(const uint8_t* q, int s, F d, F m) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+  const __m512i v = s == 0 ? _mm512_and_si512(b, _mm512_set1_epi32(15)) : _mm512_srli_epi32(b, 4);
+  return {_mm512_fmadd_ps(d.v, _mm512_cvtepi32_ps(v), m.v)};
+}
+inline F q8_0(const int8_t* q, int s, F d) {
+  return {_mm512_mul_ps(d.v, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + s * 16)))))};
+}
+
+// dst[i * L + j] = src[j][col + i] for i, j < L: L dimensions of L keys, transposed.
+inline void transpose(const float* const* src, int64_t col, float* dst) {
+  __m512 r[16], t[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(src[j] + col);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane L: r[4i + k] = rows 4i..4i+3 of column 4L + k
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k = lane L of r[k], r[4 + k], r[8 + k], r[12 + k]
+    const __m512 u0 = _mm512_shuffle_f32x4(r[k], r[4 + k], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 u1 = _mm512_shuffle_f32x4(r[k], r[4 + k], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512 u2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 u3 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], _MM_SHUFFLE(3, 2, 3, 2));
+    _mm512_storeu_ps(dst + (0 + k) * 16, _mm512_shuffle_f32x4(u0, u2, _MM_SHUFFLE(2, 0, 2, 0)));
+    _mm512_storeu_ps(dst + (4 + k) * 16, _mm512_shuffle_f32x4(u0, u2, _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm512_storeu_ps(dst + (8 + k) * 16, _mm512_shuffle_f32x4(u1, u3, _MM_SHUFFLE(2, 0, 2, 0)));
+    _mm512_storeu_ps(dst + (12 + k) * 16, _mm512_shuffle_f32x4(u1, u3, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+}
+
+#elif defined(PARROT_AVX2)
+
+constexpr int L = 8;
+constexpr int REGISTERS = 16;
+constexpr const char* ISA = "avx2";
+struct F { __m256 v; };
+inline F zero() { return {_mm256_setzero_ps()}; }
+inline F set1(float a) { return {_mm256_set1_ps(a)}; }
+inline F load(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline void store(float* p, F a) { _mm256_storeu_ps(p, a.v); }
+inline F add(F a, F b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline F sub(F a, F b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline F mul(F a, F b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline F div(F a, F b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline F max(F a, F b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline F fmadd(F a, F b, F c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline float hsum(F a) {  // (lanes i + i + 4), then pairs, then the last two
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+inline float hmax(F a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+inline void pin(F& a) { asm("" : "+x"(a.v)); }
+
+inline F exp(F a) {  // the same algorithm as the AVX-512 build
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 under = _mm256_cmp_ps(a.v, lo, _CMP_LT_OQ);
+  const __m256 x = _mm256_min_ps(_mm256_max_ps(a.v, lo), _mm256_set1_ps(88.0f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // 2^k for k in [-126, 127]: the exponent field set directly.
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return {_mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)))};
+}
+
+// Part s of a block: bytes (s % 2) * 8 .. + 7, low nibbles for s < 2 (values 0..15), high ones
+// after (values 16..31).
+inline F q4_1(const uint8_t* q, int s, F d, F m) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + (s & 1) * 8)));
+  const __m256i v = s < 2 ? _mm256_and_si256(b, _mm256_set1_epi32(15)) : _mm256_srli_epi32(b, 4);
+  return {_mm256_fmadd_ps(d.v, _mm256_cvtepi32_ps(v), m.v)};
+}
+inline F q8_0(const int8_t* q, int s, F d) {
+  return {_mm256_mul_ps(d.v, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + s * 8)))))};
+}
+
+inline void transpose(const float* const* src, int64_t col, float* dst) {
+  __m256 r[8], t[8], u[8];
+  for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(src[j] + col);
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 4h .. 4h + 3
+    u[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int k = 0; k < 4; ++k) {
+    _mm256_storeu_ps(dst + k * 8, _mm256_permute2f128_ps(u[k], u[4 + k], 0x20));
+    _mm256_storeu_ps(dst + (k + 4) * 8, _mm256_permute2f128_ps(u[k], u[4 + k], 0x31));
+  }
+}
+
+#else  // portable: GCC/Clang vector extensions
+
+constexpr int L = 8;
+constexpr int REGISTERS = 16;
+constexpr const char* ISA = "portable";
+typedef float vf __attribute__((vector_size(32)));
+struct F { vf v; };
+inline F zero() { return {vf{}}; }
+inline F set1(float a) { return {vf{} + a}; }
+inline F load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return {v}; }
+inline void store(float* p, F a) { std::memcpy(p, &a.v, sizeof a.v); }
+inline F add(F a, F b) { return {a.v + b.v}; }
+inline F sub(F a, F b) { return {a.v - b.v}; }
+inline F mul(F a, F b) { return {a.v * b.v}; }
+inline F div(F a, F b) { return {a.v / b.v}; }
+inline F max(F a, F b) { return {a.v > b.v ? a.v : b.v}; }
+inline F fmadd(F a, F b, F c) { return {a.v * b.v + c.v}; }  // two roundings (no FMA assumed)
+inline float hsum(F a) {
+  const float lo = (a.v[0] + a.v[4]) + (a.v[2] + a.v[6]);
+  const float hi = (a.v[1] + a.v[5]) + (a.v[3] + a.v[7]);
+  return lo + hi;
+}
+inline float hmax(F a) {
+  float m = a.v[0];
+  for (int i = 1; i < 8; ++i) m = a.v[i] > m ? a.v[i] : m;
+  return m;
+}
+inline void pin(F&) {}
+
+inline F exp(F a) {  // the same algorithm, lane by lane
+  F out;
+  for (int i = 0; i < 8; ++i) {
+    const float x0 = a.v[i];
+    const float x = std::fmin(std::fmax(x0, -87.3f), 88.0f);
+    const float k = std::nearbyint(x * 1.44269504088896341f);
+    float r = x - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    float p = 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    out.v[i] = x0 < -87.3f ? 0.0f : std::ldexp(p, (int)k);
+  }
+  return out;
+}
+
+inline F q4_1(const uint8_t* q, int s, F d, F m) {
+  F out;
+  for (int i = 0; i < 8; ++i) {
+    const uint8_t b = q[(s & 1) * 8 + i];
+    out.v[i] = (float)(s < 2 ? b & 15 : b >> 4);
+  }
+  return {d.v * out.v + m.v};  // d * q is exact: one rounding, as in the reference
+}
+inline F q8_0(const int8_t* q, int s, F d) {
+  F out;
+  for (int i = 0; i < 8; ++i) out.v[i] = (float)q[s * 8 + i];
+  return {d.v * out.v};
+}
+
+inline void transpose(const float* const* src, int64_t col, float* dst) {
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) dst[i * 8 + j] = src[j][col + i];
+}
+
+#endif
+
+// Blocks of 32 weights are L-lane vectors in PARTS parts.
+constexpr int PARTS = 32 / L;
+
+}  // namespace simd
