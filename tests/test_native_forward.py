@@ -32,7 +32,7 @@ def _q4_1(weight: torch.Tensor) -> BlockWeight:
     m = low.half().float()
     q = ((blocks - m[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.uint8)
     qs = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, k // 2).contiguous()
-    return BlockWeight("q4_1", qs, d.contiguous(), m.contiguous())
+    return BlockWeight.pack("q4_1", qs, d, m)
 
 
 def quantized_tiny_model(seed: int = 5):

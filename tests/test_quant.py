@@ -20,14 +20,14 @@ def _random_q4_1(n: int, k: int, seed: int = 0) -> BlockWeight:
     qs = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, k // 2).contiguous()
     d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()  # scales are float16 in GGUF
     m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
-    return BlockWeight("q4_1", qs, d, m)
+    return BlockWeight.pack("q4_1", qs, d, m)
 
 
 def _random_q8_0(n: int, k: int, seed: int = 0) -> BlockWeight:
     g = torch.Generator().manual_seed(seed)
     qs = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     d = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
-    return BlockWeight("q8_0", qs, d)
+    return BlockWeight.pack("q8_0", qs, d)
 
 
 def test_q4_1_dequantization_follows_the_gguf_layout():
@@ -35,8 +35,8 @@ def test_q4_1_dequantization_follows_the_gguf_layout():
     dense = w.dequantize()
     for row in range(3):
         for block in range(2):
-            byte = w.qs[row, block * 16 + 5].item()
-            d, m = w.d[row, block].item(), w.m[row, block].item()
+            byte = w.data[row, block * 20 + 4 + 5].item()
+            d, m = (s[row, block].item() for s in w.scales())
             assert dense[row, block * 32 + 5].item() == pytest.approx(d * (byte & 15) + m, abs=0)
             assert dense[row, block * 32 + 21].item() == pytest.approx(d * (byte >> 4) + m, abs=0)
 
@@ -84,3 +84,19 @@ def test_embedded_model_uses_block_kernels_with_exact_weights(embedded_engine):
     # was converted; a mismatch would leave that layer on float32 weights.
     forward = embedded_engine.forward
     assert forward.block_kernels and forward.lm_head.block is not None and forward.native is not None
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_dequantization_equals_the_gguf_reference_on_random_blocks(kind):
+    # Any bytes are valid blocks (scales included: float16 infinities and NaNs de-quantise as
+    # the reference does them).
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from server.engine.quant import BLOCK_BYTES
+
+    data = torch.randint(0, 256, (7, 5 * BLOCK_BYTES[kind]), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    reference = dequantize(data.numpy(), GGMLQuantizationType[kind.upper()])
+    ours = BlockWeight(kind, data).dequantize()
+    assert torch.equal(ours.isnan(), torch.from_numpy(reference).isnan())
+    assert torch.equal(ours.nan_to_num(), torch.from_numpy(reference).float().nan_to_num())

@@ -41,8 +41,8 @@ _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = [os.path.join(_CSRC, "kernels.cpp"), os.path.join(_CSRC, "simd.h")]
 # Instruction sets, best first: compiler flags and the /proc/cpuinfo flags they need.
 ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
-    "avx512": (["-DPARROT_AVX512", "-mavx512f", "-mavx512bw", "-mfma"], ("avx512f", "avx512bw", "fma")),
-    "avx2": (["-DPARROT_AVX2", "-mavx2", "-mfma"], ("avx2", "fma")),
+    "avx512": (["-DPARROT_AVX512", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c"], ("avx512f", "avx512bw", "fma", "f16c")),
+    "avx2": (["-DPARROT_AVX2", "-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
     "portable": ([], ()),
 }
 KIND = {"q4_1": 1, "q8_0": 2}
@@ -76,8 +76,8 @@ def cpu_description() -> str:
 
 
 class Mat(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int32), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("qs", ctypes.c_void_p),
-                ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+    _fields_ = [("kind", ctypes.c_int32), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("data", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -106,7 +106,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def mat(weight: "BlockWeight", bias: torch.Tensor | None = None) -> Mat:
     """The library's view of a block matrix (the tensors must outlive it)."""
     n, k = weight.shape
-    return Mat(KIND[weight.kind], n, k, _ptr(weight.qs), _ptr(weight.d), _ptr(weight.m), _ptr(bias))
+    return Mat(KIND[weight.kind], n, k, _ptr(weight.data), _ptr(bias))
 
 
 class Kernels:

@@ -188,7 +188,7 @@ def gguf_blocks(source: ModelSource, hf_model: Any) -> dict[str, Any]:
 
     if source.gguf_file is None or hf_model.dtype != torch.float32:
         return {}
-    path = os.path.join(_conversion_dir(source), "blocks.safetensors")
+    path = os.path.join(_conversion_dir(source), "gguf-blocks.safetensors")  # the GGUF's own block bytes
     if os.path.isfile(path):
         return load_blocks(path)
     blocks = read_gguf_blocks(os.path.join(source.path, source.gguf_file), hf_model)

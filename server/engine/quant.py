@@ -1,7 +1,7 @@
-"""GGUF block weights (Q4_1, Q8_0): read from the file, checked, cached, de-quantised.
+"""GGUF block weights (Q4_1, Q8_0), kept in the file's own block layout: read, checked, cached.
 
 A decoding pass over a few tokens is bound by reading the weights: the embedded model's float32
-weights are 540 MB, its GGUF blocks 76 MB. The compiled kernels (kernels.py, csrc/kernels.cpp)
+weights are 540 MB, its GGUF blocks 96 MB. The compiled kernels (kernels.py, csrc/kernels.cpp)
 multiply float32 activations by the blocks directly, expanding each block in registers exactly
 as the GGUF defines it.
 
@@ -34,65 +34,82 @@ _GGUF_NAMES = {
 }
 
 
+# Bytes of one block of 32 weights, as the GGUF stores it:
+#   Q4_1: d (float16), m (float16), 16 bytes: byte j holds value j (low nibble) and j + 16 (high);
+#         weight = d * q + m
+#   Q8_0: d (float16), 32 signed bytes; weight = d * q
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+GGUF_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
+
+
 @dataclass
 class BlockWeight:
-    """One weight matrix [N, K] in Q4_1 (qs [N, K/2] uint8, d and m [N, K/32]) or Q8_0 (qs int8, d)."""
+    """One weight matrix [N, K] in the GGUF's own blocks: ``data`` uint8 [N, K / 32 * block bytes]."""
 
     kind: str
-    qs: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor | None = None
+    data: torch.Tensor
 
     @property
     def shape(self) -> tuple[int, int]:
-        n = self.qs.shape[0]
-        return (n, self.qs.shape[1] * 2) if self.kind == "q4_1" else (n, self.qs.shape[1])
+        return self.data.shape[0], self.data.shape[1] // BLOCK_BYTES[self.kind] * 32
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def _blocks(self) -> torch.Tensor:
+        n, k = self.shape
+        return self.data.view(n, k // 32, BLOCK_BYTES[self.kind])
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """d and (Q4_1) m as float32 [N, K / 32]."""
+        blocks = self._blocks()
+        d = blocks[:, :, 0:2].contiguous().view(torch.float16)[:, :, 0].float()
+        m = blocks[:, :, 2:4].contiguous().view(torch.float16)[:, :, 0].float() if self.kind == "q4_1" else None
+        return d, m
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights, computed as the GGUF reference does (d * q, then + m)."""
         n, k = self.shape
+        blocks = self._blocks()
+        d, m = self.scales()
         if self.kind == "q8_0":
-            return (self.d[:, :, None] * self.qs.view(n, k // 32, 32).float()).reshape(n, k)
-        assert self.m is not None
-        packed = self.qs.view(n, k // 32, 16)
+            q = blocks[:, :, 2:].contiguous().view(torch.int8).float()
+            return (d[:, :, None] * q).reshape(n, k)
+        assert m is not None
+        packed = blocks[:, :, 4:]
         q = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # low nibbles are values 0..15
-        return (self.d[:, :, None] * q + self.m[:, :, None]).reshape(n, k)
+        return (d[:, :, None] * q + m[:, :, None]).reshape(n, k)
 
     def rows(self, index: torch.Tensor) -> "BlockWeight":
-        return BlockWeight(self.kind, self.qs[index].contiguous(), self.d[index].contiguous(),
-                           None if self.m is None else self.m[index].contiguous())
+        return BlockWeight(self.kind, self.data[index].contiguous())
 
     @staticmethod
     def cat(parts: list["BlockWeight"]) -> "BlockWeight":
         kinds = {p.kind for p in parts}
         assert len(kinds) == 1
-        m = None if parts[0].m is None else torch.cat([p.m for p in parts if p.m is not None])
-        return BlockWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
+        return BlockWeight(parts[0].kind, torch.cat([p.data for p in parts]))
 
-    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        out = {f"{prefix}.qs": self.qs, f"{prefix}.d": self.d}
-        if self.m is not None:
-            out[f"{prefix}.m"] = self.m
-        return out
+    @staticmethod
+    def pack(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> "BlockWeight":
+        """Blocks from their parts: qs ([N, K / 2] uint8 nibbles for Q4_1, [N, K] int8 for Q8_0)
+        and d, m ([N, K / 32], rounded to float16 as the GGUF stores them)."""
+        n, blocks = d.shape
+        fields = [d.half().contiguous().view(torch.uint8).view(n, blocks, 2)]
+        if kind == "q4_1":
+            assert m is not None
+            fields.append(m.half().contiguous().view(torch.uint8).view(n, blocks, 2))
+        fields.append(qs.contiguous().view(torch.uint8).view(n, blocks, -1))
+        return BlockWeight(kind, torch.cat(fields, dim=-1).reshape(n, -1).contiguous())
 
 
 def _from_gguf_tensor(tensor: Any) -> BlockWeight | None:
-    """Unpack a GGUF tensor of type Q4_1 or Q8_0 (None for other types)."""
-    kind = tensor.tensor_type.name
-    data = np.asarray(tensor.data)
-    n = data.shape[0]
-    if kind == "Q4_1":  # 20-byte blocks: d (f16), m (f16), 16 bytes of nibbles
-        blocks = data.reshape(n, -1, 20)
-        d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
-        m = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
-        qs = np.ascontiguousarray(blocks[:, :, 4:]).reshape(n, -1)
-        return BlockWeight("q4_1", torch.from_numpy(qs), torch.from_numpy(d), torch.from_numpy(m))
-    if kind == "Q8_0":  # 34-byte blocks: d (f16), 32 signed bytes
-        blocks = data.reshape(n, -1, 34)
-        d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
-        qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n, -1)
-        return BlockWeight("q8_0", torch.from_numpy(qs), torch.from_numpy(d))
-    return None
+    """The blocks of a GGUF tensor of a type the kernels run (None for other types)."""
+    kind = GGUF_KINDS.get(tensor.tensor_type.name)
+    if kind is None:
+        return None
+    data = np.ascontiguousarray(np.asarray(tensor.data))
+    return BlockWeight(kind, torch.from_numpy(data.reshape(data.shape[0], -1)))
 
 
 def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
@@ -141,12 +158,9 @@ def read_gguf_blocks(gguf_path: str, hf_model: Any) -> dict[str, BlockWeight]:
 def save_blocks(blocks: dict[str, BlockWeight], path: str) -> None:
     from safetensors.torch import save_file
 
-    tensors: dict[str, torch.Tensor] = {}
-    kinds = {}
-    for name, weight in blocks.items():
-        tensors.update(weight.tensors(name))
-        kinds[name] = weight.kind
-    save_file(tensors, path, metadata={"kinds": ",".join(f"{k}={v}" for k, v in kinds.items())})
+    tensors = {name: weight.data for name, weight in blocks.items()}
+    kinds = ",".join(f"{name}={weight.kind}" for name, weight in blocks.items())
+    save_file(tensors, path, metadata={"kinds": kinds})
 
 
 def load_blocks(path: str) -> dict[str, BlockWeight]:
@@ -157,6 +171,5 @@ def load_blocks(path: str) -> dict[str, BlockWeight]:
         metadata = f.metadata() or {}
         for entry in filter(None, metadata.get("kinds", "").split(",")):
             name, kind = entry.split("=")
-            m = f.get_tensor(f"{name}.m") if kind == "q4_1" else None
-            blocks[name] = BlockWeight(kind, f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.d"), m)
+            blocks[name] = BlockWeight(kind, f.get_tensor(name))
     return blocks

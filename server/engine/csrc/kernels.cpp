@@ -30,24 +30,25 @@ namespace {
 
 enum Kind : int32_t { Q4_1 = 1, Q8_0 = 2 };
 
+// A weight matrix in the GGUF's own blocks of 32 weights, row after row.
+// Q4_1 (20 bytes): d, m (float16), 16 bytes: byte j holds value j (low nibble) and j + 16 (high).
 struct Q4_1W {
-  const uint8_t* qs;  // [N, K / 2]
-  const float* d;     // [N, K / 32]
-  const float* m;     // [N, K / 32]
+  static constexpr int64_t BYTES = 20;
+  const uint8_t* data;
   int64_t K;
-  inline F part(int64_t n, int64_t b, int s) const {
-    const int64_t i = n * (K / 32) + b;
-    return q4_1(qs + n * (K / 2) + b * 16, s, set1(d[i]), set1(m[i]));
-  }
+  inline const uint8_t* block(int64_t n, int64_t b) const { return data + (n * (K / 32) + b) * BYTES; }
+  inline F part(const uint8_t* blk, int s, float d, float m) const { return q4_1(blk + 4, s, set1(d), set1(m)); }
+  static inline float m_of(const uint8_t* blk) { return half(blk + 2); }
 };
 
+// Q8_0 (34 bytes): d (float16), 32 signed bytes.
 struct Q8_0W {
-  const int8_t* qs;  // [N, K]
-  const float* d;    // [N, K / 32]
+  static constexpr int64_t BYTES = 34;
+  const uint8_t* data;
   int64_t K;
-  inline F part(int64_t n, int64_t b, int s) const {
-    return q8_0(qs + n * K + b * 32, s, set1(d[n * (K / 32) + b]));
-  }
+  inline const uint8_t* block(int64_t n, int64_t b) const { return data + (n * (K / 32) + b) * BYTES; }
+  inline F part(const uint8_t* blk, int s, float d, float) const { return q8_0((const int8_t*)(blk + 2), s, set1(d)); }
+  static inline float m_of(const uint8_t*) { return 0.0f; }
 };
 
 // MT rows of x against NT weight rows n .. n + NT - 1. Each accumulator acc[i][j] sums
@@ -60,9 +61,16 @@ inline void tile(const W& w, const float* x, int64_t K, int64_t n, float* y, int
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) acc[i][j] = zero();
   for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk[NT];
+    float d[NT], m[NT];
+    for (int j = 0; j < NT; ++j) {
+      blk[j] = w.block(n + j, b);
+      d[j] = half(blk[j]);
+      m[j] = W::m_of(blk[j]);
+    }
     for (int s = 0; s < PARTS; ++s) {
       F wp[NT];
-      for (int j = 0; j < NT; ++j) wp[j] = w.part(n + j, b, s);
+      for (int j = 0; j < NT; ++j) wp[j] = w.part(blk[j], s, d[j], m[j]);
       for (int i = 0; i < MT; ++i) {
         F xp = load(x + i * K + b * 32 + s * L);
         pin(xp);
@@ -124,17 +132,15 @@ extern "C" {
 struct Mat {
   int32_t kind;
   int64_t N, K;
-  const void* qs;
-  const float* d;
-  const float* m;     // Q4_1 only
-  const float* bias;  // [N] or null
+  const uint8_t* data;  // [N, K / 32 blocks]
+  const float* bias;    // [N] or null
 };
 
 void parrot_linear(const Mat* w, const float* x, int64_t M, float* y, int threads) {
   if (w->kind == Q4_1) {
-    linear_rows(Q4_1W{(const uint8_t*)w->qs, w->d, w->m, w->K}, x, M, w->K, y, w->N, threads);
+    linear_rows(Q4_1W{w->data, w->K}, x, M, w->K, y, w->N, threads);
   } else {
-    linear_rows(Q8_0W{(const int8_t*)w->qs, w->d, w->K}, x, M, w->K, y, w->N, threads);
+    linear_rows(Q8_0W{w->data, w->K}, x, M, w->K, y, w->N, threads);
   }
   if (w->bias != nullptr)
     for (int64_t i = 0; i < M; ++i)

@@ -1,5 +1,5 @@
 // Float vectors of L lanes for one instruction set, chosen when the file is compiled:
-// PARROT_AVX512 (16 lanes), PARROT_AVX2 (8 lanes, AVX2 + FMA + F16C), or neither (8 lanes of GCC
+// PARROT_AVX512 (16 lanes, + F16C), PARROT_AVX2 (8 lanes, AVX2 + FMA + F16C), or neither (8 lanes of GCC
 // vector extensions, which the compiler turns into whatever the target has: SSE2, NEON, ...).
 // kernels.cpp is compiled once per instruction set into its own library; quant.py picks one at
 // run time by what the CPU has.
@@ -43,6 +43,7 @@ inline float hmax(F a) { return _mm512_reduce_max_ps(a.v); }
 // Keeps a value in a register: left alone, the compiler folds loads into the multiply-adds and
 // loads an x block once per weight row of a tile (measured: wide tiles then wait on loads).
 inline void pin(F& a) { asm("" : "+v"(a.v)); }
+inline float half(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return _cvtsh_ss(h); }
 
 // exp(x): x = k ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-7 Taylor polynomial (error below
 // 2e-8 relative on that interval), times 2^k. Below -87.3 it is 0.
@@ -135,6 +136,7 @@ inline float hmax(F a) {
   return _mm_cvtss_f32(s);
 }
 inline void pin(F& a) { asm("" : "+x"(a.v)); }
+inline float half(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return _cvtsh_ss(h); }
 
 inline F exp(F a) {  // the same algorithm as the AVX-512 build
   const __m256 lo = _mm256_set1_ps(-87.3f);
@@ -215,6 +217,20 @@ inline float hmax(F a) {
   return m;
 }
 inline void pin(F&) {}
+// IEEE float16 -> float32, exact (subnormals, infinities and NaNs included).
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
+    const float magnitude = std::ldexp((float)mantissa, -24);
+    return sign ? -magnitude : magnitude;
+  }
+  const uint32_t bits = sign | (exponent == 31 ? 0x7f800000u | (mantissa << 13) : ((exponent + 112) << 23) | (mantissa << 13));
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
 
 inline F exp(F a) {  // the same algorithm, lane by lane
   F out;
