@@ -8,7 +8,7 @@ PORT   ?= 8000
 # The stamp is rebuilt when the dependency list changes; otherwise `make install` is a no-op.
 STAMP  := $(VENV)/.parrot-installed
 
-.PHONY: install serve test bench bench-drafter bench-grammar bench-tokenizer replay-grammar clean
+.PHONY: install serve test bench bench-drafter bench-grammar bench-peers bench-tokenizer replay-grammar clean
 
 install: $(STAMP)
 
@@ -39,6 +39,11 @@ bench-drafter: install
 
 bench-grammar: install
 	$(PY) -m loadtests.bench_grammar --sdpa
+
+# Parrot against llama.cpp on the same GGUF (README: "Against llama.cpp" says how to build it):
+# make bench-peers LLAMA_SERVER=/path/llama-server LLAMA_BENCH=/path/llama-bench [PEERS_ARGS=...]
+bench-peers: install
+	LLAMA_SERVER=$(LLAMA_SERVER) LLAMA_BENCH=$(LLAMA_BENCH) $(PY) -m loadtests.bench_peers $(PEERS_ARGS)
 
 replay-grammar: install
 	$(PY) -m loadtests.replay_grammar

@@ -12,6 +12,23 @@ from server.engine.loader import LoadedModel, load_model
 log = logging.getLogger("parrot.engine")
 
 
+def _log_floor(loaded: LoadedModel, cost: list[float] | None, context: int = 512) -> None:
+    """Log the physical floor of a one-token pass (bytes it reads over the memory bandwidth
+    measured now) beside the measured pass, so a slow machine or a slow path shows at start-up."""
+    report = getattr(loaded.forward, "pass_report", None)
+    if report is None:
+        return
+    r = report(context)
+    measured = f"; measured {cost[1] * 1e3:.1f} ms ({cost[1] * 1e3 / r['floor_ms']:.2f}x)" if cost else ""
+    kernels = getattr(loaded.forward, "kernels", None)
+    log.info(
+        "one-token pass at %d tokens of context reads %.0f MB (weights %.0f + KV cache %.0f); memory bandwidth "
+        "%.1f GB/s; floor %.1f ms%s; kernels: %s",
+        context, r["bytes_per_pass"] / 1e6, r["weight_bytes"] / 1e6, r["kv_bytes"] / 1e6, r["bandwidth"] / 1e9,
+        r["floor_ms"], measured, kernels.isa if kernels is not None else "none",
+    )
+
+
 def build_engine(config: Config) -> tuple[LoadedModel, Engine]:
     """Load the model once, measure the forward cost curve if drafting is adaptive, build the engine."""
     loaded = load_model(config.model)
@@ -24,6 +41,7 @@ def build_engine(config: Config) -> tuple[LoadedModel, Engine]:
             drafting.max_draft + 1,
             " ".join(f"{c * 1e3:.0f}" for c in cost[1:]),
         )
+    _log_floor(loaded, cost)
     engine = Engine(loaded.forward, loaded.tokenizer, drafting, cost, config.server.prefill_chunk,
                     config.server.prefill_chunk_busy)
     return loaded, engine

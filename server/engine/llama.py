@@ -69,6 +69,7 @@ class PackedLinear:
                 self.packed = False
         if not self.packed:
             self.weight = weight
+        self.nbytes = weight.numel() * weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
@@ -261,6 +262,19 @@ class LlamaForward:
             embed=self.embed.data_ptr(), cos=self.cos.data_ptr(), sin=self.sin.data_ptr(),
             final_norm=self.final_norm.data_ptr(), lm_head=self.lm_head.mat(), layers=self._layer_descs,
         )
+
+    def pass_report(self, context: int) -> dict[str, float]:
+        """What a one-token decoding pass at ``context`` cached positions must read (the block
+        weights, or float32 ones without them, and the KV cache), the memory bandwidth measured
+        now, and their ratio: the floor of the pass's time."""
+        linears = [linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears.append(self.lm_head)
+        weight_bytes = sum(lin.block.nbytes if lin.block is not None else lin.dense.nbytes for lin in linears)
+        kv_bytes = 2 * self.num_layers * self.num_kv_heads * context * self.head_dim * self.dtype.itemsize
+        bandwidth = self.kernels.read_bandwidth() if self.kernels is not None else float("nan")
+        total = weight_bytes + kv_bytes
+        return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bytes_per_pass": total,
+                "bandwidth": bandwidth, "floor_ms": 1e3 * total / bandwidth}
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self, capacity)

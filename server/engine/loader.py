@@ -17,6 +17,7 @@ import torch
 
 from server.config import ModelConfig
 from server.engine.hf_runner import HFForward
+from server.engine.kernels import cpu_description
 from server.engine.llama import LlamaForward, native_support
 from server.engine.paths import cache_root
 from tokenizer import Tokenizer, load_tokenizer
@@ -168,7 +169,8 @@ def load_transformers(config: ModelConfig) -> tuple[ModelSource, Tokenizer, Any]
     source = resolve_source(config.source)
     device = choose_device(config.device)
     dtype = choose_dtype(config.dtype, device)
-    log.info("loading %s on %s (%s)", source.display_name, device, str(dtype).removeprefix("torch."))
+    log.info("loading %s on %s (%s); CPU: %s", source.display_name, device, str(dtype).removeprefix("torch."),
+             cpu_description())
     hf_model: Any
     try:
         if source.gguf_file is not None:
@@ -233,7 +235,13 @@ def load_model(config: ModelConfig) -> LoadedModel:
     # is dropped after this call unless the fallback backend uses it.
     loaded = prepare(hf_model, tokenizer, source.display_name, config.backend, blocks)
     loaded.load_seconds = time.perf_counter() - begin
-    kernels = "GGUF block kernels for small passes" if getattr(loaded.forward, "block_kernels", False) else "float32 weights"
+    forward = loaded.forward
+    if getattr(forward, "native", None) is not None:
+        kernels = f"decoding passes in the {forward.kernels.isa} kernels on GGUF blocks"
+    elif getattr(forward, "attention_kernel", None) is not None:
+        kernels = f"float32 weights, {forward.kernels.isa} attention kernel"
+    else:
+        kernels = "float32 weights, SDPA attention"
     log.info(
         "loaded in %.1f s: backend %s, %s, context window %d",
         loaded.load_seconds, loaded.backend, kernels, loaded.context_window,

@@ -1,0 +1,294 @@
+"""Parrot against llama.cpp on the same GGUF and the same CPU, side by side in one run.
+
+    make bench-peers LLAMA_SERVER=/path/to/llama-server LLAMA_BENCH=/path/to/llama-bench
+
+1. Servers: Parrot (drafting on and off, per request) and, given ``LLAMA_SERVER``, llama.cpp's
+   ``llama-server`` plain and with its n-gram modes (``--spec-type ngram-simple``, ``ngram-mod``),
+   all started with the same GGUF and 2 threads, llama.cpp with ``--poll 0`` (its busy polling
+   would steal the CPU from whoever runs next). Held-out prompts from ../shared/data (the last
+   rows of each file), greedy, streamed chat, interleaved: each prompt goes to every system
+   before the next prompt, in an order that rotates, so that load from neighbours spreads evenly.
+   Per system: decode tokens/s (tokens after the first over the time after the first) and
+   end-to-end tokens/s, per task and over the copy tasks.
+2. Pass costs at the same context depth (~1,000 tokens): Parrot's forward for 1, 2, 4 and 8
+   tokens, in this process; llama.cpp's from ``llama-bench -p 1,2,4,8 -n 0 -d 1000`` (given
+   ``LLAMA_BENCH``). Beside them the floor: bytes a pass must read over the memory bandwidth
+   measured here.
+3. Exactness: Parrot greedy with drafting on equals drafting off, on ``--exact-prompts`` prompts.
+
+Prints tables and writes loadtests/results/bench_peers.json, with the CPU and its flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtests.bench_engine import DATA, RESULTS, machine
+
+TASKS = ["summarization", "context_qa", "grammar", "code_edit", "open_chat"]
+COPY_TASKS = TASKS[:4]
+LLAMA_MODES = {"llama_plain": [], "llama_ngram_simple": ["--spec-type", "ngram-simple"],
+               "llama_ngram_mod": ["--spec-type", "ngram-mod"]}
+
+
+def held_out_prompts(task: str, n: int) -> list[dict[str, Any]]:
+    """The last ``n`` rows of a task's file (the other benchmarks read from the top)."""
+    with open(DATA / f"{task}.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    return rows[-n:] if n else []
+
+
+class Server:
+    """A server subprocess on a loopback port, ready once its /health answers 200."""
+
+    def __init__(self, name: str, command: list[str], port: int, env: dict[str, str] | None = None) -> None:
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(RESULTS / f"bench_peers_{name}.log", "w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{self.name} not ready after {timeout} s")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+def stream_chat(url: str, prompt: str, max_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """One greedy streamed chat completion: token count, TTFT, decode and end-to-end times."""
+    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
+    start = time.perf_counter()
+    first = last = None
+    chunks, text, usage = 0, [], None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            for choice in event.get("choices", []):
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    chunks += 1
+                    text.append(piece)
+    end = time.perf_counter()
+    tokens = usage["completion_tokens"] if usage else chunks
+    first = first or end
+    last = last or end
+    return {"tokens": tokens, "ttft_s": first - start, "decode_s": last - first, "total_s": end - start,
+            "text": "".join(text)}
+
+
+def rates(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Decode tokens/s (tokens after the first over the time after the first) and end-to-end."""
+    decode_tokens = sum(max(r["tokens"] - 1, 0) for r in runs)
+    decode_time = sum(r["decode_s"] for r in runs)
+    return {
+        "decode_tok_s": decode_tokens / decode_time if decode_time > 0 else None,
+        "e2e_tok_s": sum(r["tokens"] for r in runs) / sum(r["total_s"] for r in runs) if runs else None,
+        "ttft_s": sum(r["ttft_s"] for r in runs) / len(runs) if runs else None,
+    }
+
+
+def pass_costs(gguf: str, depth: int, sizes: list[int]) -> dict[str, Any]:
+    """Parrot's forward cost (median ms) for each number of tokens at ``depth`` cached positions,
+    the bytes a one-token pass reads and the memory bandwidth measured here."""
+    import torch
+
+    from server.config import ModelConfig
+    from server.engine.loader import load_model
+
+    loaded = load_model(ModelConfig(source=gguf))
+    forward = loaded.forward
+    ids = torch.randint(100, 20000, (depth + max(sizes),), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = forward.new_cache(depth + max(sizes))
+    forward.forward([(cache, ids[:depth], 1)])
+    costs = {}
+    for n in sizes:
+        times = []
+        for _ in range(15):
+            begin = time.perf_counter()
+            forward.forward([(cache, ids[depth : depth + n], n)])
+            times.append(time.perf_counter() - begin)
+            cache.crop(depth)
+        costs[n] = sorted(times)[len(times) // 2] * 1e3
+    report = forward.pass_report(depth) if hasattr(forward, "pass_report") else {}
+    return {"ms": costs, **report}
+
+
+def llama_bench(binary: str, gguf: str, depth: int, sizes: list[int], threads: int) -> dict[int, float]:
+    """llama.cpp's cost (ms) of a pass over n tokens after ``depth`` tokens, from llama-bench."""
+    command = [binary, "-m", gguf, "-p", ",".join(map(str, sizes)), "-n", "0", "-d", str(depth),
+               "-t", str(threads), "-o", "json", "-r", "5"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return {row["n_prompt"]: 1e3 * row["n_prompt"] / row["avg_ts"] for row in json.loads(out)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gguf", default=None, help="GGUF file (default: the embedded model's)")
+    parser.add_argument("--per-task", type=int, default=3, help="held-out prompts per task")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--exact-prompts", type=int, default=50, help="prompts for the on = off check (0: skip)")
+    parser.add_argument("--depth", type=int, default=1000, help="context depth of the pass-cost table")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--port", type=int, default=8731)
+    parser.add_argument("--out", default=str(RESULTS / "bench_peers.json"))
+    args = parser.parse_args(argv)
+
+    from server.engine.kernels import cpu_description, kernels
+    from server.engine.loader import resolve_source
+
+    source = resolve_source(args.gguf or "embedded")
+    gguf = os.path.join(source.path, source.gguf_file or "")
+    llama_server, llama_bench_bin = os.environ.get("LLAMA_SERVER"), os.environ.get("LLAMA_BENCH")
+    chosen = kernels()
+    info = {"machine": machine(), "cpu": cpu_description(), "kernel_set": chosen.isa if chosen else None,
+            "gguf": gguf, "gguf_bytes": os.path.getsize(gguf), "threads": args.threads, "max_tokens": args.max_tokens,
+            "depth": args.depth,
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+    print(f"CPU: {info['cpu']}; Parrot kernels: {info['kernel_set']}; GGUF {gguf} ({info['gguf_bytes'] / 1e6:.0f} MB)")
+
+    servers: list[Server] = []
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    try:
+        parrot = Server("parrot", [sys.executable, "-m", "server.cli", "serve", "--model", gguf,
+                                   "--port", str(args.port)], args.port, env)
+        servers.append(parrot)
+        if llama_server:
+            for i, (name, flags) in enumerate(LLAMA_MODES.items()):
+                servers.append(Server(name, [llama_server, "-m", gguf, "--host", "127.0.0.1", "--port",
+                                             str(args.port + 1 + i), "-t", str(args.threads), "-c", "4096",
+                                             "-np", "1", "--jinja", "--poll", "0", *flags], args.port + 1 + i))
+        for server in servers:
+            server.wait()
+        systems: dict[str, tuple[str, dict[str, Any]]] = {
+            "parrot_on": (parrot.url, {"speculation": {"enabled": True}}),
+            "parrot_off": (parrot.url, {"speculation": {"enabled": False}}),
+        }
+        systems.update({s.name: (s.url, {}) for s in servers[1:]})
+        names = list(systems)
+
+        # 1. Side by side, interleaved per prompt.
+        per_prompt = []
+        prompts = [(task, row) for task in TASKS for row in held_out_prompts(task, args.per_task)]
+        for index, (task, row) in enumerate(prompts):
+            order = names[index % len(names):] + names[: index % len(names)]
+            entry = {"task": task, "id": row["id"], "runs": {}}
+            for name in order:
+                url, extra = systems[name]
+                entry["runs"][name] = stream_chat(url, row["prompt"], args.max_tokens, extra)
+            per_prompt.append(entry)
+            print(f"[{index + 1}/{len(prompts)}] {task} {row['id']}: " + ", ".join(
+                f"{n} {r['tokens'] / max(r['total_s'], 1e-9):.0f} tok/s" for n, r in entry["runs"].items()), flush=True)
+
+        # 3. Exactness over more prompts (drafting on vs off, Parrot only).
+        exact: dict[str, Any] = {"prompts": 0, "identical": 0, "different_ids": []}
+        each = args.exact_prompts // len(TASKS)
+        for task in TASKS:
+            for row in held_out_prompts(task, each):
+                outputs = [stream_chat(parrot.url, row["prompt"], args.max_tokens, systems[s][1])["text"]
+                           for s in ("parrot_on", "parrot_off")]
+                exact["prompts"] += 1
+                if outputs[0] == outputs[1]:
+                    exact["identical"] += 1
+                else:
+                    exact["different_ids"].append(row["id"])
+    finally:
+        for server in servers:
+            server.stop()
+
+    # 2. Pass costs, with the servers stopped (nothing else running).
+    sizes = [1, 2, 4, 8]
+    parrot_costs = pass_costs(gguf, args.depth, sizes)
+    llama_costs = llama_bench(llama_bench_bin, gguf, args.depth, sizes, args.threads) if llama_bench_bin else {}
+
+    summary: dict[str, Any] = {}
+    for name in names:
+        summary[name] = {task: rates([p["runs"][name] for p in per_prompt if p["task"] == task]) for task in TASKS}
+        summary[name]["copy_tasks"] = rates([p["runs"][name] for p in per_prompt if p["task"] in COPY_TASKS])
+    result = {**info, "systems": names, "summary": summary, "pass_costs": {"parrot": parrot_costs, "llama_cpp": llama_costs},
+              "exactness": exact, "per_prompt": per_prompt}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(render(result))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def render(result: dict[str, Any]) -> str:
+    summary, names = result["summary"], result["systems"]
+    lines = [f"CPU: {result['cpu']}; Parrot kernels: {result['kernel_set']}; {result['date']}", "",
+             "| system | copy tasks decode tok/s | copy e2e tok/s | open chat decode tok/s | open chat e2e tok/s | copy TTFT s |",
+             "|---|---:|---:|---:|---:|---:|"]
+
+    def fmt(value: float | None, digits: int = 1) -> str:
+        return "—" if value is None else f"{value:.{digits}f}"
+
+    for name in names:
+        copy, chat = summary[name]["copy_tasks"], summary[name]["open_chat"]
+        lines.append(f"| {name} | {fmt(copy['decode_tok_s'])} | {fmt(copy['e2e_tok_s'])} | {fmt(chat['decode_tok_s'])} | "
+                     f"{fmt(chat['e2e_tok_s'])} | {fmt(copy['ttft_s'], 2)} |")
+    llama_ngram = [n for n in ("llama_ngram_simple", "llama_ngram_mod") if n in summary]
+    if llama_ngram:
+        best = max(llama_ngram, key=lambda n: summary[n]["copy_tasks"]["decode_tok_s"] or 0)
+        ratios = []
+        for metric in ("decode_tok_s", "e2e_tok_s"):
+            ours, theirs = summary["parrot_on"]["copy_tasks"][metric], summary[best]["copy_tasks"][metric]
+            ratios.append(f"{metric} {ours / theirs:.2f}x" if ours and theirs else f"{metric} —")
+        lines += ["", f"Parrot drafting on vs the faster llama.cpp n-gram mode ({best}), copy tasks: " + ", ".join(ratios)]
+        for mine, peer in (("parrot_off", "llama_plain"), ("parrot_on", "llama_plain")):
+            ours, theirs = summary[mine]["open_chat"]["decode_tok_s"], summary[peer]["open_chat"]["decode_tok_s"]
+            if ours and theirs:
+                lines.append(f"{mine} vs {peer}, open chat decode: {ours / theirs:.2f}x")
+    costs = result["pass_costs"]
+    parrot, llama = costs["parrot"], costs["llama_cpp"]
+    lines += ["", f"Pass cost at {result.get('depth', 1000)} tokens of context (ms)", "",
+              "| tokens | Parrot | vs Parrot's 1 token | llama.cpp | vs llama.cpp's 1 token | Parrot / llama.cpp |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    for n, ms in parrot["ms"].items():
+        theirs = llama.get(n) if llama else None
+        lines.append(f"| {n} | {ms:.1f} | {ms / parrot['ms'][1]:.2f}x | {fmt(theirs)} | "
+                     f"{fmt(theirs / llama[1] if theirs else None, 2)}x | {fmt(ms / theirs if theirs else None, 2)} |")
+    if "floor_ms" in parrot:
+        lines.append(f"\nFloor of a one-token pass: {parrot['bytes_per_pass'] / 1e6:.0f} MB read "
+                     f"(weights {parrot['weight_bytes'] / 1e6:.0f} MB + KV cache {parrot['kv_bytes'] / 1e6:.0f} MB) "
+                     f"/ {parrot['bandwidth'] / 1e9:.1f} GB/s = {parrot['floor_ms']:.1f} ms; "
+                     f"measured {parrot['ms'][1]:.1f} ms ({parrot['ms'][1] / parrot['floor_ms']:.2f}x the floor)")
+    exact = result["exactness"]
+    if exact["prompts"]:
+        lines.append(f"Exactness: drafting on = off on {exact['identical']}/{exact['prompts']} prompts"
+                     + (f" (different: {', '.join(exact['different_ids'])})" if exact["different_ids"] else ""))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
