@@ -19,13 +19,17 @@ p=2/3; the history ``(2, 3)`` was followed only by 1 (p=1), cumulative 2/3; then
 walk stops: ``[3, 1, 2]``.
 
 Training is incremental: ``update(tokens)`` costs O(n) per token.
+
+``NGramDrafter`` is the ``Drafter`` of ``drafting.method = "ngram"``: it suggests with the model
+trained on the live sequence and the context documents, ``max_len`` tokens at most.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-TokenId = int
+from drafting.drafter import Draft, TokenId
+from drafting.registry import DrafterSettings, register_drafter
 
 
 class _Followers:
@@ -110,7 +114,7 @@ class NGramModel:
 
 
 class NGramDrafter:
-    """The ``SuffixDrafter`` interface over an ``NGramModel`` (method "ngram" in the config)."""
+    """A ``Drafter`` over an ``NGramModel``; its drafts have no match length (one policy bucket)."""
 
     def __init__(
         self,
@@ -123,7 +127,6 @@ class NGramDrafter:
         self.threshold = threshold
         self.model = NGramModel(n, stop_token_ids=stop_token_ids)
         self._live: list[TokenId] = []
-        self.last_match_length = 0  # the n-gram model has no match length; one policy bucket
         self.extend(tokens)
 
     @property
@@ -135,13 +138,18 @@ class NGramDrafter:
         # Later live tokens continue the live stream, not the context document.
         self.model.update((), history=self._live)
 
-    def extend(self, new_tokens: Iterable[TokenId]) -> None:
-        new = list(new_tokens)
+    def extend(self, tokens: Iterable[TokenId]) -> None:
+        new = list(tokens)
         self.model.update(new)
         self._live.extend(new)
 
-    def propose(self, max_len: int, after: Sequence[TokenId] = ()) -> list[TokenId]:
+    def propose(self, max_len: int, after: Sequence[TokenId] = ()) -> Draft:
         if max_len <= 0 or not (self._live or after):
-            return []
+            return Draft([])
         context = self._live[-self.model.n :] + list(after) if after else self._live
-        return self.model.suggest(context, self.threshold, max_len)
+        return Draft(self.model.suggest(context, self.threshold, max_len))
+
+
+@register_drafter("ngram")
+def _ngram_drafter(settings: DrafterSettings) -> NGramDrafter:
+    return NGramDrafter(n=settings.max_n, threshold=settings.threshold, stop_token_ids=settings.stop_token_ids)

@@ -24,12 +24,18 @@ Several requests decoding together share one pass, and there the question is dif
 pass already has a row per request, so a draft token costs the extra row it adds, and it is worth
 it only if it is likely enough. ``DraftLengthPolicy.allocate`` sizes all the drafts of a pass
 together by the same rule over the whole pass (tokens per second of the pass).
+
+The engine asks a ``DraftSizer`` to cut the drafts of each pass; ``DraftLengthPolicy.size`` is
+the default one, and a benchmark or test passes its own (``loadtests/replay_grammar.py``'s
+oracle knows where the model departs from each draft).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from drafting.drafter import TokenId
 
 
 GRAMMAR_BUCKET = 6  # drafts that start with the grammar's forced bytes (see Grammar.spelled_forced)
@@ -89,6 +95,22 @@ class AcceptanceStats:
             self.next_by_bucket.setdefault(bucket, _Beta(2.0, 1.0)).observe(max(num_accepted - 1, 0), reached, self.decay)
 
 
+@dataclass(frozen=True)
+class DraftSlot:
+    """One sequence of a forward pass with logits to verify: its longest draft, to be cut."""
+
+    rows: int  # tokens it feeds anyway (its pending token and forced tokens), one output token each
+    draft: list[TokenId]  # the longest draft it may verify this pass
+    position: int  # index of the draft's first token in the sequence (prompt + output)
+    acceptance: AcceptanceStats
+    bucket: int  # the acceptance bucket of this draft (match_bucket, or GRAMMAR_BUCKET)
+
+
+# How many tokens of each slot's draft to verify (0..len(slot.draft)), for all the slots of one
+# pass together, in their order.
+DraftSizer = Callable[[Sequence[DraftSlot]], list[int]]
+
+
 def expected_yield(k: int, a1: float, an: float) -> float:
     """Expected tokens from one pass verifying k drafts (accepted drafts + the model's own token)."""
     total, reach = 1.0, a1
@@ -122,6 +144,15 @@ class DraftLengthPolicy:
         if tokens <= last:
             return self.cost[max(tokens, 1)]
         return self.cost[last] + self._slope * (tokens - last)
+
+    def size(self, slots: Sequence[DraftSlot]) -> list[int]:
+        """The ``DraftSizer`` of this policy: ``allocate`` over the slots of one pass (each row a
+        slot feeds anyway yields one output token)."""
+        return self.allocate([
+            (slot.rows, slot.rows, slot.acceptance.first_accept(slot.bucket), slot.acceptance.next_accept(slot.bucket),
+             len(slot.draft))
+            for slot in slots
+        ])
 
     def choose(self, max_len: int, a1: float, an: float) -> int:
         """The draft length in 0..max_len with the most expected tokens per second (one request)."""

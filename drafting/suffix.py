@@ -28,14 +28,16 @@ returns. Nothing is ever rebuilt, so proposing on an 8k-token context costs the 
 100-token one.
 
 The drafter never proposes past an end-of-sequence token: a proposal stops right after the first
-token in ``stop_token_ids``. The empty list means "no draft".
+token in ``stop_token_ids``. ``Draft([])`` means "no draft"; a draft's ``match_length`` is the n
+of the match it continues. This is the ``Drafter`` of ``drafting.method = "suffix"``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-TokenId = int
+from drafting.drafter import Draft, TokenId
+from drafting.registry import DrafterSettings, register_drafter
 
 # Source ids: 0 is the live sequence; 1, 2, ... are extra context documents in the order added.
 _LIVE = 0
@@ -65,8 +67,6 @@ class SuffixDrafter:
         self._live_index: dict[tuple[TokenId, ...], int] = {}
         # The match being followed (policy rule 3): source, next position, run length so far.
         self._follow: tuple[int, int, int] | None = None
-        # Length of the match behind the last proposal (0: none), for the draft-length policy.
-        self.last_match_length = 0
         self.extend(tokens)
 
     @property
@@ -85,10 +85,10 @@ class SuffixDrafter:
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self._context_index[tuple(doc[end - n : end])] = (source, end)
 
-    def extend(self, new_tokens: Iterable[TokenId]) -> None:
+    def extend(self, tokens: Iterable[TokenId]) -> None:
         """Append accepted tokens to the live sequence: O(max_n) work per token."""
         live = self._sources[_LIVE]
-        for token in new_tokens:
+        for token in tokens:
             end = len(live)
             # Index the n-grams ending at the current last token now that their continuation
             # (`token`) exists. The n-gram ending at the new token is indexed on the next append:
@@ -123,38 +123,39 @@ class SuffixDrafter:
                 return _LIVE, pos, n
         return None
 
-    def propose(self, max_len: int, after: Sequence[TokenId] = ()) -> list[TokenId]:
-        """Up to ``max_len`` tokens that followed the best match; ``[]`` when there is none.
+    def propose(self, max_len: int, after: Sequence[TokenId] = ()) -> Draft:
+        """Up to ``max_len`` tokens that followed the best match; ``Draft([])`` when there is none.
 
         ``after``: tokens that will certainly follow the sequence (a grammar's forced tokens);
         the proposal continues after them. Such a lookup does not start following a match.
         """
         if max_len <= 0:
-            return []
+            return Draft([])
         if after:
             self._follow = None
             match = self._lookup(after)
-            self.last_match_length = match[2] if match else 0
-            if match is None:
-                return []
-            draft = self._sources[match[0]][match[1] : match[1] + max_len]
-            return _cut_after_stop(draft, self.stop_token_ids)
+            return Draft([]) if match is None else self._draft(match, max_len)
         candidates = [m for m in (self._follow, self._lookup()) if m is not None]
         # Rule 3: the followed run wins unless a fresh lookup found a strictly longer match.
         candidates.sort(key=lambda m: -m[2])
-        for source, pos, length in candidates:
-            draft = self._sources[source][pos : pos + max_len]
-            if draft:
-                self._follow = (source, pos, length)
-                self.last_match_length = length
-                return _cut_after_stop(draft, self.stop_token_ids)
+        for match in candidates:
+            draft = self._draft(match, max_len)
+            if draft.tokens:
+                self._follow = match
+                return draft
         self._follow = None
-        self.last_match_length = 0
-        return []
+        return Draft([])
+
+    def _draft(self, match: tuple[int, int, int], max_len: int) -> Draft:
+        """What follows ``match`` (source, continuation start, length), ended after a stop token."""
+        source, pos, length = match
+        tokens = self._sources[source][pos : pos + max_len]
+        for i, token in enumerate(tokens):
+            if token in self.stop_token_ids:
+                return Draft(tokens[: i + 1], length)
+        return Draft(tokens, length if tokens else 0)
 
 
-def _cut_after_stop(draft: list[TokenId], stop_token_ids: frozenset[TokenId]) -> list[TokenId]:
-    for i, token in enumerate(draft):
-        if token in stop_token_ids:
-            return draft[: i + 1]
-    return draft
+@register_drafter("suffix")
+def _suffix_drafter(settings: DrafterSettings) -> SuffixDrafter:
+    return SuffixDrafter(min_n=settings.min_n, max_n=settings.max_n, stop_token_ids=settings.stop_token_ids)

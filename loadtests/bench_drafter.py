@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from drafting import NGramDrafter, SuffixDrafter
+from drafting import Drafter, NGramDrafter, SuffixDrafter
 from loadtests.bench_engine import DATA, RESULTS, machine
 
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     tokens = corpus_tokens(8192)
-    makers: dict[str, Callable[[list[int]], SuffixDrafter | NGramDrafter]] = {
+    makers: dict[str, Callable[[list[int]], Drafter]] = {
         "suffix (min_n=1, max_n=8)": lambda ctx: SuffixDrafter(ctx, min_n=1, max_n=8),
         "ngram (n=8, threshold 0.1)": lambda ctx: NGramDrafter(ctx, n=8, threshold=0.1),
     }

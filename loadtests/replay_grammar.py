@@ -31,12 +31,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from drafting import DraftSizer, DraftSlot
 from loadtests.bench_engine import RESULTS, machine
 from loadtests.bench_grammar import CONFIGS, SCHEMA, extraction_prompts
 from loadtests.scripted import ScriptedForward
 from server.config import DraftingConfig, load_config
 from server.engine.costmodel import measure_cost_curve
-from server.engine.engine import Engine, Generation, GenerationRequest, _Plan
+from server.engine.engine import Engine, GenerationRequest
 from server.engine.loader import load_model
 from server.engine.sampling import SamplingParams
 from tokenizer.grammar import GrammarCompiler
@@ -44,23 +45,22 @@ from tokenizer.grammar import GrammarCompiler
 CACHE = Path.home() / ".cache" / "parrot" / "replay_grammar_outputs.json"
 
 
-class OracleSizing(Engine):
-    """Cuts every draft where the script departs from it (knows the model's output in advance)."""
+class OracleSizer:
+    """A ``DraftSizer`` that cuts every draft where the script departs from it (it knows the
+    model's output in advance)."""
 
-    def _size_drafts(self, running: Sequence[Generation], plans: list[_Plan]) -> None:
-        for seq, plan in zip(running, plans):
-            if plan.num_logits:
-                script: list[int] = self.forward.script
-                at = len(seq.request.prompt_ids) + len(seq.output_ids) + len(plan.forced)
-                keep = 0
-                while keep < len(plan.draft) and at + keep < len(script) and plan.draft[keep] == script[at + keep]:
-                    keep += 1
-                plan.draft = plan.draft[:keep]
-        policy, self.policy = self.policy, None  # the rest of the step as usual, without resizing
-        try:
-            super()._size_drafts(running, plans)
-        finally:
-            self.policy = policy
+    def __init__(self, script: Sequence[int]) -> None:
+        self.script = script
+
+    def __call__(self, slots: Sequence[DraftSlot]) -> list[int]:
+        lengths = []
+        for slot in slots:
+            keep = 0
+            while (keep < len(slot.draft) and slot.position + keep < len(self.script)
+                   and slot.draft[keep] == self.script[slot.position + keep]):
+                keep += 1
+            lengths.append(keep)
+        return lengths
 
 
 def _greedy_outputs(loaded: Any, compiler: GrammarCompiler, grammar: str, prompts: list[tuple[str, list[int]]],
@@ -83,15 +83,17 @@ def _greedy_outputs(loaded: Any, compiler: GrammarCompiler, grammar: str, prompt
     return [entries[pid] for pid, _ in prompts]
 
 
-def replay(engine_class: type[Engine], tokenizer: Any, compiler: GrammarCompiler, grammar: str,
+def replay(oracle: bool, tokenizer: Any, compiler: GrammarCompiler, grammar: str,
            prompts: list[tuple[str, list[int]]], outputs: list[list[int]], cost: list[float],
            max_tokens: int) -> dict[str, float]:
+    """Replay every output; ``oracle``: size drafts with ``OracleSizer`` instead of the policy."""
     tokens = passes = drafted = accepted = 0
     plain = spec = 0.0
     eos = min(tokenizer.eos_token_ids)
     for (_, ids), output in zip(prompts, outputs):
         forward = ScriptedForward(ids + output, tokenizer.vocab_size, eos)
-        engine = engine_class(forward, tokenizer, DraftingConfig(), cost)
+        sizer: DraftSizer | None = OracleSizer(forward.script) if oracle else None
+        engine = Engine(forward, tokenizer, DraftingConfig(), cost, sizer=sizer)
         request = GenerationRequest(ids, SamplingParams(max_tokens=max_tokens), CONFIGS["+fast_forward+ngram"],
                                     grammar=compiler.new_state(grammar, True))
         result = engine.generate(request)
@@ -123,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = extraction_prompts(tokenizer, args.articles)
     outputs = _greedy_outputs(loaded, compiler, grammar, prompts, args.max_tokens)
     cost = measure_cost_curve(loaded.forward, DraftingConfig().max_draft + 1, context=args.context)
-    rows = {name: replay(cls, tokenizer, compiler, grammar, prompts, outputs, cost, args.max_tokens)
-            for name, cls in (("engine", Engine), ("oracle sizing", OracleSizing))}
+    rows = {name: replay(oracle, tokenizer, compiler, grammar, prompts, outputs, cost, args.max_tokens)
+            for name, oracle in (("engine", False), ("oracle sizing", True))}
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     header = (f"Grammar replay, {stamp}, {machine()}; model {loaded.name}; greedy outputs of {len(prompts)} "

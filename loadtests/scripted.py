@@ -4,7 +4,7 @@ Greedy output does not depend on drafting, so once a request's output is known, 
 engine decides while producing it (forced tokens, drafts, draft lengths, what is accepted) can be
 replayed without the model: feed the engine this forward with ``script = prompt + output``.
 Used by ``loadtests/replay_grammar.py`` and by engine tests that need exact token sequences in
-front of the real tokenizer and grammar engine.
+front of the real tokenizer and grammar engine. It implements ``server.engine.backend.Forward``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ import torch
 
 
 class ScriptedCache:
-    def __init__(self) -> None:
+    """A cache with nothing in it but its length: the script is the whole model."""
+
+    def __init__(self, capacity: int) -> None:
         self.length = 0
+        self.capacity = capacity
 
     def crop(self, length: int) -> None:
         self.length = length
@@ -34,7 +37,7 @@ class ScriptedForward:
         self.passes: list[tuple[int, int]] = []  # (tokens fed, logits asked) of every pass
 
     def new_cache(self, capacity: int) -> ScriptedCache:
-        return ScriptedCache()
+        return ScriptedCache(capacity)
 
     def forward(self, batch: Sequence[tuple[ScriptedCache, Sequence[int], int]]) -> list[torch.Tensor]:
         out = []

@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,50 +17,12 @@ from server.engine.engine import Engine
 from server.engine.loader import LoadedModel
 from server.engine.scheduler import Scheduler
 from server.errors import APIError, install_error_handlers
-from server.metrics import Metrics
-from server.stats import Observers, StatsCollector
+from server.state import ServerState
+from server.stats import Observers
 
 log = logging.getLogger("parrot.http")
 
 EngineBuilder = Callable[[Config], tuple[LoadedModel, Engine]]
-
-
-@dataclass
-class ServerState:
-    """Everything a route needs, reachable as ``request.app.state.parrot``."""
-
-    config: Config
-    metrics: Metrics = field(default_factory=Metrics)
-    stats: StatsCollector = field(default_factory=StatsCollector)
-    loaded: LoadedModel | None = None
-    engine: Engine | None = None
-    scheduler: Scheduler | None = None
-    load_error: str | None = None
-    started_at: float = field(default_factory=time.time)
-    _grammar: Any = None
-    _grammar_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def grammar_compiler(self) -> Any:
-        """The GrammarCompiler for the served tokenizer (built on first use: about 1 s)."""
-        from tokenizer.grammar import GrammarCompiler
-
-        with self._grammar_lock:
-            if self._grammar is None:
-                loaded, _ = self.require_ready()
-                self._grammar = GrammarCompiler(loaded.tokenizer)
-            return self._grammar
-
-    @property
-    def ready(self) -> bool:
-        return self.scheduler is not None
-
-    def require_ready(self) -> tuple[LoadedModel, Scheduler]:
-        if self.load_error is not None:
-            raise APIError(503, f"the model failed to load: {self.load_error}")
-        if self.loaded is None or self.scheduler is None:
-            raise APIError(503, "the model is still loading; retry shortly (GET /health turns 200 when ready)",
-                           headers={"Retry-After": "5"})
-        return self.loaded, self.scheduler
 
 
 def _default_builder(config: Config) -> tuple[LoadedModel, Engine]:

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -142,9 +141,7 @@ def generate_file(config: Config, args: argparse.Namespace) -> int:
                     "finish_reason": result.finish_reason,
                     "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.output_tokens},
                     "stats": {
-                        "forward_passes": s.forward_passes,
-                        "drafted_tokens": s.drafted_tokens,
-                        "accepted_tokens": s.accepted_tokens,
+                        **s.counters(),
                         "ttft_s": round(s.ttft_s or 0.0, 4),
                         "elapsed_s": round(s.elapsed_s, 4),
                         "device": device,

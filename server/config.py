@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from drafting import drafter_methods
+
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
 ENV_PREFIX = "PARROT_"
 
@@ -41,7 +43,7 @@ class DraftingConfig:
     adaptive: bool = True
 
     def __post_init__(self) -> None:
-        _check_choice("drafting.method", self.method, ("suffix", "ngram"))
+        _check_choice("drafting.method", self.method, drafter_methods())
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError("drafting needs 1 <= min_n <= max_n")
         if not 0 <= self.max_draft <= 64:
@@ -76,11 +78,6 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     drafting: DraftingConfig = field(default_factory=DraftingConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
-
-    def replace(self, **sections: Mapping[str, Any]) -> "Config":
-        """A copy with some fields of some sections replaced: ``cfg.replace(model={"source": p})``."""
-        changed = {name: dataclasses.replace(getattr(self, name), **values) for name, values in sections.items()}
-        return dataclasses.replace(self, **changed)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenizer import UnsupportedTokenizer
+
 log = logging.getLogger("parrot.http")
 
 _TYPES = {
@@ -22,6 +24,7 @@ _TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    501: "not_implemented_error",
     503: "service_unavailable_error",
     504: "timeout_error",
 }
@@ -99,6 +102,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(exc).response()
+
+    @app.exception_handler(UnsupportedTokenizer)
+    async def _unsupported_tokenizer(_: Request, exc: UnsupportedTokenizer) -> JSONResponse:
+        # Raised where a route first uses the tokenizer's exact budget (/v1/tokenize, /v1/tokens/*,
+        # /v1/summarize's max_input_tokens); the other endpoints never build one.
+        message = f"this endpoint is not available for the served model's tokenizer ({exc})"
+        return APIError(501, message, code="unsupported_tokenizer").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

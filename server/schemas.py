@@ -4,6 +4,13 @@ Unknown fields are rejected (``extra="forbid"``): a parameter Parrot does not kn
 that names it, never silent ignoring. OpenAI parameters Parrot knows but does not implement are
 accepted by the schema only to be rejected by ``unsupported()`` with a clearer message, unless
 they carry their neutral value (``presence_penalty: 0``, ``tools: []``, ...).
+
+``max_tokens``: every request's ``token_limit`` is the one place that gives its default, and
+returns None for "no limit but the context window" (which ``check_context`` in
+:mod:`server.routes.generation` turns into the room left after the prompt). Left out, it is 16
+for /v1/completions (OpenAI's default; an explicit null there means no limit), no limit for
+/v1/chat/completions (OpenAI's), 256 for /v1/summarize, and room for a copy of the text for
+/v1/correct.
 """
 
 from __future__ import annotations
@@ -187,6 +194,10 @@ class CompletionRequest(_GenerationFields):
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
+    def token_limit(self) -> int | None:
+        """``max_tokens``: 16 when left out (OpenAI's default), no limit when null."""
+        return self.max_tokens
+
     def unsupported(self) -> None:
         super().unsupported()
         if self.best_of is not None and self.best_of != self.n:
@@ -238,6 +249,7 @@ class ChatCompletionRequest(_GenerationFields):
             raise APIError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs", code="invalid_value")
 
     def token_limit(self) -> int | None:
+        """``max_completion_tokens`` (OpenAI's newer name), else ``max_tokens``, else no limit."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def chat(self) -> list[dict[str, str]]:
@@ -253,9 +265,21 @@ class SummarizeRequest(_Strict):
     model: str | None = None
     speculation: SpeculationOptions | None = None
 
+    def token_limit(self) -> int:
+        """``max_tokens``, or 256 when it is left out or null."""
+        return self.max_tokens if self.max_tokens is not None else 256
+
 
 class CorrectRequest(_Strict):
     text: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     model: str | None = None
     speculation: SpeculationOptions | None = None
+
+    def token_limit(self, text_tokens: int, room: int) -> int | None:
+        """``max_tokens``, or else room for a copy of the text (a correction is about as long as
+        its input: twice its ``text_tokens`` plus 32) within the ``room`` the context window has
+        left; no limit when no room is left (``check_context`` then says so)."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return min(2 * text_tokens + 32, room) if room > 0 else None

@@ -10,13 +10,13 @@ over any span of whole buckets.
 What is counted, and when:
 - A "request" is one generated sequence (an ``n=3`` completion is three). It counts when it
   finishes, as ``ok``, ``cancelled`` (client gone, timeout) or ``error``.
-- TTFT is submission -> first token; ITL is the time since the previous emission divided by the
-  tokens emitted, one sample per token (a verification pass can emit several tokens at once), as
-  in ``server/metrics.py``; end-to-end is submission -> finish, for ``ok`` requests.
-- Output, drafted, accepted and forced tokens and forward passes count as each step happens
-  (differences of the generation's running stats), so a long request moves the charts while it
-  runs rather than all at once when it ends. Forced tokens (grammar fast-forward) are read from
-  ``generation.stats.forced_tokens`` when the engine has that field, and stay 0 otherwise.
+- TTFT and ITL are the scheduler's ``OutputLatency`` of each output, the samples
+  ``server/metrics.py`` observes too: TTFT is submission -> first token; ITL is the time since
+  the previous emission divided by the tokens emitted, one sample per token (a verification pass
+  can emit several tokens at once). End-to-end is submission -> finish, for ``ok`` requests.
+- Output tokens and the ``SPECULATION_COUNTERS`` (forward passes, drafted, accepted and forced
+  tokens) count as each step happens (differences of the stats snapshots that outputs carry), so
+  a long request moves the charts while it runs rather than all at once when it ends.
 - Queue depth and running requests are the values the scheduler last reported, plus the maximum
   seen in each bucket.
 
@@ -32,10 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.engine.engine import StepOutput
-from server.engine.scheduler import Observer, RequestHandle
-
-_COUNTERS = ("forward_passes", "drafted_tokens", "accepted_tokens", "forced_tokens")
+from server.engine.interface import SPECULATION_COUNTERS, StepOutput
+from server.engine.scheduler import Observer, OutputLatency, RequestHandle
 
 
 def percentile(samples: list[tuple[float, int]], q: float) -> float | None:
@@ -64,7 +62,7 @@ class _Bucket:
     admitted: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {"ok": 0, "cancelled": 0, "error": 0})
     output_tokens: int = 0
-    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPECULATION_COUNTERS, 0))
     ttft: list[tuple[float, int]] = field(default_factory=list)
     itl: list[tuple[float, int]] = field(default_factory=list)  # (seconds per token, tokens)
     e2e: list[tuple[float, int]] = field(default_factory=list)
@@ -94,35 +92,37 @@ class StatsCollector:
     def on_admit(self, handle: RequestHandle) -> None:
         with self._lock:
             self._bucket(self.clock()).admitted += 1
-            self._seen[id(handle)] = dict.fromkeys(_COUNTERS, 0)
+            self._seen[id(handle)] = dict.fromkeys(SPECULATION_COUNTERS, 0)
 
-    def on_output(self, handle: RequestHandle, output: StepOutput) -> None:
-        now = self.clock()
+    def on_output(self, handle: RequestHandle, output: StepOutput, latency: OutputLatency) -> None:
         n = len(output.token_ids)
         with self._lock:
-            bucket = self._bucket(now)
+            bucket = self._bucket(self.clock())
             bucket.output_tokens += n
-            if handle.last_output_at is None:
-                bucket.ttft.append((now - handle.enqueued_at, 1))
-            elif n > 0:
-                bucket.itl.append(((now - handle.last_output_at) / n, n))
-            self._add_counters(handle, bucket)
+            if latency.ttft_s is not None:
+                bucket.ttft.append((latency.ttft_s, 1))
+            if latency.itl_s is not None:
+                bucket.itl.append((latency.itl_s, n))
+            seen = self._seen.get(id(handle))
+            if seen is not None:
+                for name, value in output.stats.counters().items():
+                    bucket.counters[name] += value - seen[name]
+                    seen[name] = value
 
     def on_finish(self, handle: RequestHandle) -> None:
         now = self.clock()
         with self._lock:
             bucket = self._bucket(now)
-            generation = handle.generation
-            if handle.error is not None or (generation is not None and generation.finish_reason == "error"):
+            if handle.error is not None or handle.finish_reason == "error":
                 status = "error"
-            elif handle.cancelled or generation is None or generation.finish_reason == "cancelled":
-                status = "cancelled"
+            elif handle.cancelled or handle.stats is None or handle.finish_reason == "cancelled":
+                status = "cancelled"  # handle.stats is None: it never reached the engine
             else:
                 status = "ok"
             bucket.finished[status] += 1
             if status == "ok":
                 bucket.e2e.append((now - handle.enqueued_at, 1))
-            self._add_counters(handle, bucket)
+            # Every change of the counters came with an output, already added in on_output.
             self._seen.pop(id(handle), None)
 
     def on_queue(self, waiting: int, running: int) -> None:
@@ -180,23 +180,13 @@ class StatsCollector:
         for index in [i for i in self._buckets if i < oldest]:
             del self._buckets[index]
 
-    def _add_counters(self, handle: RequestHandle, bucket: _Bucket) -> None:
-        generation = handle.generation
-        seen = self._seen.get(id(handle))
-        if generation is None or seen is None:
-            return
-        for name in _COUNTERS:
-            value = int(getattr(generation.stats, name, 0) or 0)
-            bucket.counters[name] += value - seen[name]
-            seen[name] = value
-
     @staticmethod
     def _latency(samples: list[tuple[float, int]]) -> dict[str, Any]:
         return {"p50": percentile(samples, 50), "p99": percentile(samples, 99), "count": sum(w for _, w in samples)}
 
     def _aggregate(self, buckets: list[_Bucket], span: float) -> dict[str, Any]:
         finished = {k: sum(b.finished[k] for b in buckets) for k in ("ok", "cancelled", "error")}
-        counters = {k: sum(b.counters[k] for b in buckets) for k in _COUNTERS}
+        counters = {k: sum(b.counters[k] for b in buckets) for k in SPECULATION_COUNTERS}
         output_tokens = sum(b.output_tokens for b in buckets)
         passes = counters["forward_passes"]
         return {
@@ -248,9 +238,9 @@ class Observers:
         for o in self.observers:
             o.on_admit(handle)
 
-    def on_output(self, handle: RequestHandle, output: StepOutput) -> None:
+    def on_output(self, handle: RequestHandle, output: StepOutput, latency: OutputLatency) -> None:
         for o in self.observers:
-            o.on_output(handle, output)
+            o.on_output(handle, output, latency)
 
     def on_finish(self, handle: RequestHandle) -> None:
         for o in self.observers:

@@ -6,7 +6,20 @@ import random
 
 import pytest
 
-from drafting import AcceptanceStats, DraftLengthPolicy, NGramDrafter, NGramModel, SuffixDrafter, expected_yield
+from drafting import (
+    AcceptanceStats,
+    Draft,
+    DrafterSettings,
+    DraftLengthPolicy,
+    DraftSlot,
+    NGramDrafter,
+    NGramModel,
+    SuffixDrafter,
+    drafter_methods,
+    expected_yield,
+    new_drafter,
+    register_drafter,
+)
 
 EOS = 2
 
@@ -40,12 +53,12 @@ def test_suffix_drafter_table(live, contexts, max_len, expected):
     for doc in contexts:
         drafter.add_context(doc)
     drafter.extend(live)
-    assert drafter.propose(max_len) == expected
+    assert drafter.propose(max_len).tokens == expected
 
 
 def test_suffix_drafter_min_n_rejects_short_matches():
     drafter = SuffixDrafter([1, 2, 3, 9, 3], min_n=2, max_n=4)
-    assert drafter.propose(3) == []  # a 1-gram match ("3") is below min_n
+    assert drafter.propose(3).tokens == []  # a 1-gram match ("3") is below min_n
 
 
 def test_suffix_drafter_follows_a_confirmed_match_instead_of_jumping():
@@ -55,20 +68,20 @@ def test_suffix_drafter_follows_a_confirmed_match_instead_of_jumping():
     drafter = SuffixDrafter(min_n=1, max_n=3)
     drafter.add_context(doc)
     drafter.extend([0, 1, 2, 3])
-    assert drafter.propose(2) == [7, 8]  # fresh lookup: most recent occurrence of [1, 2, 3]
+    assert drafter.propose(2).tokens == [7, 8]  # fresh lookup: most recent occurrence of [1, 2, 3]
     drafter = SuffixDrafter(min_n=1, max_n=3)
     drafter.add_context(doc)
     drafter.extend([0, 1])
-    assert drafter.propose(2) == [2, 3]  # 1-gram [1]: most recent occurrence, position 7
+    assert drafter.propose(2).tokens == [2, 3]  # 1-gram [1]: most recent occurrence, position 7
     drafter = SuffixDrafter(min_n=1, max_n=3)
     drafter.add_context(doc)
     drafter.extend([9, 3])
-    assert drafter.propose(1) == [7]  # most recent "3" is at position 8
+    assert drafter.propose(1).tokens == [7]  # most recent "3" is at position 8
     drafter.extend([4])  # the model wrote 4, the followed match broke
     drafter.extend([5])
-    assert drafter.propose(3) == [6, 1, 2]  # lookup of [4, 5] -> first occurrence region
+    assert drafter.propose(3).tokens == [6, 1, 2]  # lookup of [4, 5] -> first occurrence region
     drafter.extend([6, 1, 2, 3])  # confirmed through the second [1, 2, 3]...
-    assert drafter.propose(2) == [7, 8]
+    assert drafter.propose(2).tokens == [7, 8]
 
 
 def test_suffix_drafter_follow_keeps_position_in_repeated_phrase():
@@ -77,10 +90,10 @@ def test_suffix_drafter_follow_keeps_position_in_repeated_phrase():
     drafter.add_context(doc)
     drafter.extend([0, 9, 1, 2, 3, 4])
     # Lookup of [3, 4] -> continuation at 4; follow [1, 2, 3] from there.
-    assert drafter.propose(3) == [1, 2, 3]
+    assert drafter.propose(3).tokens == [1, 2, 3]
     drafter.extend([1, 2])
     # The followed run (length >= 4) beats the fresh 2-gram lookup of [1, 2] (most recent at 5).
-    assert drafter.propose(2) == [3, 5]
+    assert drafter.propose(2).tokens == [3, 5]
 
 
 def test_incremental_suffix_index_equals_rebuilt_index():
@@ -101,6 +114,52 @@ def test_incremental_suffix_index_equals_rebuilt_index():
         assert incremental._context_index == rebuilt._context_index
         # Fresh lookups agree (the followed match is per-history state, compared separately).
         assert incremental._lookup() == rebuilt._lookup()
+
+
+def test_suffix_draft_reports_the_length_of_its_match():
+    drafter = SuffixDrafter([5, 6, 7, 9, 5, 6, 7, 8, 5, 6], min_n=1, max_n=3)
+    assert drafter.propose(4) == Draft([7, 8, 5, 6], 2)  # the docstring's example: [5, 6] matched
+    assert drafter.propose(2, after=[7, 8]) == Draft([5, 6], 3)  # [6, 7, 8] matched, after the forced tokens
+    assert SuffixDrafter([1, 2, 3, 4], min_n=1, max_n=3).propose(3) == Draft([], 0)  # no draft: no match length
+
+
+@pytest.mark.parametrize("method", ["suffix", "ngram"])
+def test_every_builtin_drafter_keeps_the_drafter_contract(method):
+    """The points of the ``Drafter`` docstring, on random sequences with repetitions and EOS."""
+    rng = random.Random(7)
+    settings = DrafterSettings(min_n=1, max_n=3, threshold=0.1, stop_token_ids=frozenset({EOS}))
+    drafted = ended_at_eos = 0
+    for _ in range(30):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(0, 40))]
+        context = [rng.randrange(6) for _ in range(rng.randrange(0, 20))]
+        twins = [new_drafter(method, settings) for _ in range(2)]
+        drafts: list[list[Draft]] = []
+        for drafter in twins:
+            drafter.add_context(context)
+            made = []
+            for i in range(0, len(tokens) + 1, 5):
+                drafter.extend(tokens[i : i + 5])
+                max_len = i % 9 - 1  # -1 .. 7, the same calls for both twins
+                made.append(drafter.propose(max_len, after=tokens[:1] if i % 2 else ()))
+                assert isinstance(made[-1], Draft) and isinstance(made[-1].tokens, list)
+                assert len(made[-1].tokens) <= max(max_len, 0)  # max_len caps; <= 0 gives Draft([])
+                assert EOS not in made[-1].tokens[:-1]  # never past a stop token
+                assert made[-1].tokens or made[-1].match_length == 0
+            drafts.append(made)
+        assert drafts[0] == drafts[1]  # deterministic
+        drafted += sum(bool(d.tokens) for d in drafts[0])
+        ended_at_eos += sum(d.tokens[-1:] == [EOS] for d in drafts[0])
+    assert drafted > 30 and ended_at_eos > 0  # not vacuous: drafts were made, some stopped at EOS
+
+
+def test_registry_builds_registered_drafters_and_refuses_unknown_or_duplicate_methods():
+    assert {"suffix", "ngram"} <= set(drafter_methods())
+    assert isinstance(new_drafter("suffix", DrafterSettings(max_n=4)), SuffixDrafter)
+    assert new_drafter("ngram", DrafterSettings(max_n=5)).model.n == 5  # ngram's n is drafting.max_n
+    with pytest.raises(ValueError, match="unknown drafting method 'nope'"):
+        new_drafter("nope", DrafterSettings())
+    with pytest.raises(ValueError, match="already registered"):
+        register_drafter("suffix")(lambda settings: SuffixDrafter())
 
 
 def test_ngram_model_worked_example():
@@ -136,10 +195,10 @@ def test_ngram_model_incremental_equals_rebuilt():
 def test_ngram_drafter_stops_after_eos_and_keeps_context_separate():
     drafter = NGramDrafter([5, 6, EOS, 7], n=3, threshold=0.5, stop_token_ids=[EOS])
     drafter.extend([5])
-    assert drafter.propose(5) == [6, EOS]  # never past EOS
+    assert drafter.propose(5).tokens == [6, EOS]  # never past EOS
     drafter.add_context([8, 9, 10])
     drafter.extend([8])
-    assert drafter.propose(2) == [9, 10]
+    assert drafter.propose(2).tokens == [9, 10]
     assert drafter.tokens == [5, 6, EOS, 7, 5, 8]  # context is indexed, never part of the sequence
 
 
@@ -199,6 +258,18 @@ def test_policy_drafts_less_per_request_in_a_batch():
     assert batch == [0] * 8
     sure = policy.allocate([(1, 1.0, 0.99, 0.99, 8)] * 8)  # near-certain drafts still pay
     assert all(k > 0 for k in sure)
+
+
+def test_policy_as_draft_sizer_allocates_over_the_slots_of_a_pass():
+    policy = DraftLengthPolicy([0.0] + [1.0 + 0.2 * (t - 1) for t in range(1, 18)])
+    stats = AcceptanceStats()
+    for _ in range(30):
+        stats.observe(bucket=4, num_drafted=8, num_accepted=8)
+    slots = [DraftSlot(rows=1, draft=[5] * 8, position=10, acceptance=stats, bucket=bucket) for bucket in (4, 1)]
+    lengths = policy.size(slots)
+    a = [(stats.first_accept(b), stats.next_accept(b)) for b in (4, 1)]
+    assert lengths == policy.allocate([(1, 1.0, a1, an, 8) for a1, an in a])
+    assert lengths[0] > lengths[1]  # the bucket that kept being accepted drafts more
 
 
 def test_policy_cost_beyond_the_measured_curve_is_linear():

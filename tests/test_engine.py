@@ -1,7 +1,10 @@
-"""Engine properties on a tiny deterministic model: exactness, KV cache, stops, sampling."""
+"""Engine properties on a tiny deterministic model: exactness, KV cache, stops, sampling; and the
+interfaces that backends, drafters, draft sizers and the scheduler's clients plug into."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import math
 import random
 from collections import Counter
@@ -9,9 +12,14 @@ from collections import Counter
 import pytest
 import torch
 
+from drafting import Draft, DrafterSettings, DraftSlot, register_drafter
+from loadtests.scripted import ScriptedForward
 from server.config import DraftingConfig
+from server.engine.backend import Forward, KVCache
 from server.engine.engine import GenerationRequest, SpeculationParams
+from server.engine.errors import ContextWindowExceeded, EmptyPrompt, EngineError
 from server.engine.sampling import Sampler, SamplingParams, target_probs
+from server.engine.scheduler import OutputLatency, RequestHandle, Scheduler
 from tests.tiny import EOS, tiny_engine, tiny_hf_model
 from server.engine.llama import LlamaForward
 from server.engine.hf_runner import HFForward
@@ -190,7 +198,7 @@ def test_sample_and_compare_rule_is_exact_on_synthetic_logits():
     n = 40_000
     for seed in range(n):
         sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
-        tokens, num_accepted = sampler.verify(torch.cat([logits, logits]), [draft], 0)
+        tokens, num_accepted = sampler.verify(torch.cat([logits, logits]), [draft], [])
         if num_accepted:
             accepted += 1
         else:
@@ -276,8 +284,15 @@ def test_seeded_sampling_reproduces_and_does_not_depend_on_drafting():
 
 def test_prompt_too_long_for_context_window_is_an_error():
     engine = tiny_engine("native")
-    with pytest.raises(ValueError, match="exceeds the context window of 512 tokens"):
+    with pytest.raises(ContextWindowExceeded, match="exceeds the context window of 512 tokens") as error:
         engine.start(GenerationRequest([1] * 500, SamplingParams(max_tokens=20)))
+    assert isinstance(error.value, ValueError)  # callers that run the engine directly catch it as one
+    assert (error.value.prompt_tokens, error.value.max_tokens, error.value.context_window) == (500, 20, 512)
+
+
+def test_empty_prompt_is_an_error():
+    with pytest.raises(EmptyPrompt):
+        tiny_engine("native").start(GenerationRequest([], SamplingParams(max_tokens=20)))
 
 
 def test_chunked_prefill_gives_the_same_output():
@@ -289,3 +304,152 @@ def test_chunked_prefill_gives_the_same_output():
     b = _generate(whole, prompt, params)
     assert a.token_ids == b.token_ids
     assert a.stats.prefill_chunks == 7  # 40 prompt tokens in chunks of 5, the last one with logits
+
+
+# -- the interfaces a backend, a drafter and a draft sizer plug into ---------------------------
+
+
+@pytest.mark.parametrize("backend", ["native", "hf", "scripted"])
+def test_backends_implement_the_forward_protocol(backend):
+    model = tiny_hf_model(0)
+    forward = {"native": lambda: LlamaForward(model, 512), "hf": lambda: HFForward(model, 512),
+               "scripted": lambda: ScriptedForward([1, 2, 3], 64, EOS)}[backend]()
+    assert isinstance(forward, Forward)
+    cache = forward.new_cache(8)
+    assert isinstance(cache, KVCache)
+    logits = forward.forward([(cache, [1, 2, 3], 2)])[0]
+    assert logits.shape == (2, forward.vocab_size) and cache.length == 3
+    cache.crop(1)
+    assert cache.length == 1
+
+
+PREDICTION_PROPOSALS: list[list[int]] = []  # every draft the test drafter below proposed
+
+
+class PredictionDrafter:
+    """A drafter defined here, not in drafting/: its context document is the predicted output,
+    and it drafts what follows the longest prefix of that document the sequence ends with."""
+
+    def __init__(self, stop_token_ids: frozenset[int]) -> None:
+        self.stop_token_ids = stop_token_ids
+        self.live: list[int] = []
+        self.document: list[int] = []
+
+    def extend(self, tokens):
+        self.live.extend(tokens)
+
+    def add_context(self, tokens):
+        self.document = list(tokens)
+
+    def propose(self, max_len, after=()):
+        if max_len <= 0:
+            return Draft([])
+        sequence = self.live + list(after)
+        done = max(k for k in range(min(len(self.document), len(sequence)) + 1)
+                   if sequence[len(sequence) - k :] == self.document[:k])
+        tokens = self.document[done : done + max_len]
+        for i, token in enumerate(tokens):
+            if token in self.stop_token_ids:
+                tokens = tokens[: i + 1]
+                break
+        PREDICTION_PROPOSALS.append(tokens)
+        return Draft(tokens, done if tokens else 0)
+
+
+@register_drafter("test-prediction")
+def _prediction_drafter(settings: DrafterSettings) -> PredictionDrafter:
+    return PredictionDrafter(settings.stop_token_ids)
+
+
+def test_a_drafter_registered_by_a_test_runs_through_the_engine():
+    engine = tiny_engine("native", DraftingConfig(method="test-prediction", adaptive=False, max_draft=8))
+    prompt = _prompt(2)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    plain = _generate(engine, prompt, params, spec=False)
+    PREDICTION_PROPOSALS.clear()
+    spec = _generate(engine, prompt, params, context=[plain.token_ids])
+    assert spec.token_ids == plain.token_ids
+    assert PREDICTION_PROPOSALS and any(PREDICTION_PROPOSALS)  # it was asked, and it drafted
+    # The prediction is the output itself: every draft is accepted.
+    assert spec.stats.accepted_tokens == spec.stats.drafted_tokens >= len(plain.token_ids) // 2
+    assert spec.stats.forward_passes <= len(plain.token_ids) // 4
+
+
+def test_an_injected_draft_sizer_cuts_the_drafts():
+    prompt = _prompt(3)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = _generate(tiny_engine("native", FORCED), prompt, params, spec=False)
+    seen: list[DraftSlot] = []
+
+    def at_most_two(slots):
+        seen.extend(slots)
+        return [min(len(slot.draft), 2) for slot in slots]
+
+    engine = tiny_engine("native", FORCED, sizer=at_most_two)
+    spec = _generate(engine, prompt, params, context=[plain.token_ids])
+    assert spec.token_ids == plain.token_ids
+    assert seen and max(len(slot.draft) for slot in seen) > 2  # there was something to cut
+    assert 0 < spec.stats.drafted_tokens <= 2 * spec.stats.forward_passes
+    # A slot's position is where its draft starts in prompt + output: it grows every pass.
+    positions = [slot.position for slot in seen]
+    assert positions == sorted(set(positions)) and positions[0] >= len(prompt)
+
+
+def test_step_outputs_carry_the_finish_reason_and_a_stats_snapshot():
+    engine = tiny_engine("native", FORCED)
+    prompt = _prompt(5)
+    outputs = []
+    result = engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=20, ignore_eos=True)),
+                             on_output=outputs.append)
+    assert [o.finish_reason for o in outputs] == [None] * (len(outputs) - 1) + ["length"]
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    # Each output's stats were taken when it was made (copies, not the live object).
+    assert [o.stats.output_tokens for o in outputs] == list(itertools.accumulate(len(o.token_ids) for o in outputs))
+    assert [o.stats.forward_passes for o in outputs] == list(range(1, len(outputs) + 1))
+    assert len({id(o.stats) for o in outputs} | {id(result.stats)}) == len(outputs) + 1
+    assert result.stats == outputs[-1].stats and result.finish_reason == "length"
+
+
+def test_scheduler_hands_over_outputs_snapshots_latencies_and_typed_errors():
+    engine = tiny_engine("native", FORCED)
+    latencies: list[OutputLatency] = []
+    finished: list[RequestHandle] = []
+
+    class Recorder:
+        def on_admit(self, handle): ...
+        def on_output(self, handle, output, latency): latencies.append(latency)
+        def on_finish(self, handle): finished.append(handle)
+        def on_queue(self, waiting, running): ...
+
+    scheduler = Scheduler(engine, max_running=2, max_queue=4, observer=Recorder())
+    scheduler.start()
+
+    async def run():
+        ok = scheduler.submit(GenerationRequest(_prompt(1), SamplingParams(max_tokens=12, ignore_eos=True)))
+        too_long = scheduler.submit(GenerationRequest([1] * 500, SamplingParams(max_tokens=20)))
+        outputs = [out async for out in ok.events()]
+        with pytest.raises(ContextWindowExceeded):
+            async for _ in too_long.events():
+                pass
+        return ok, too_long, outputs
+
+    try:
+        ok, too_long, outputs = asyncio.run(run())
+    finally:
+        scheduler.stop()
+    assert sum(len(out.token_ids) for out in outputs) == 12 and outputs[-1].finish_reason == "length"
+    assert ok.finish_reason == "length" and ok.stats == outputs[-1].stats and ok.error is None
+    assert too_long.stats is None and isinstance(too_long.error, ContextWindowExceeded)
+    assert set(map(id, finished)) == {id(ok), id(too_long)}
+    assert latencies[0].ttft_s is not None and latencies[0].itl_s is None  # TTFT once, then ITL
+    assert all(lat.ttft_s is None and lat.itl_s is not None for lat in latencies[1:])
+
+
+def test_engine_errors_map_to_http_statuses_by_type_not_by_message():
+    from server.routes.generation import _engine_error
+
+    too_long = _engine_error(ContextWindowExceeded(500, 20, 512))
+    assert (too_long.status, too_long.code) == (400, "context_length_exceeded")
+    assert _engine_error(EmptyPrompt()).status == 400
+    assert _engine_error(EngineError("internal error while generating: RuntimeError")).status == 500
+    assert _engine_error(EngineError("the context window of the kernel overflowed")).status == 500

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -9,6 +10,9 @@ import httpx
 import pytest
 
 from server.engine.engine import SequenceStats, StepOutput
+from server.engine.errors import ContextWindowExceeded, EngineError
+from server.engine.scheduler import output_latency
+from server.metrics import Metrics
 from server.stats import Observers, StatsCollector, percentile
 from tests.conftest import start_server
 
@@ -22,17 +26,21 @@ class FakeClock:
 
 
 def fake_handle(clock: FakeClock) -> SimpleNamespace:
-    generation = SimpleNamespace(stats=SequenceStats(), finish_reason=None)
-    return SimpleNamespace(enqueued_at=clock.now, last_output_at=None, generation=generation, error=None, cancelled=False)
+    """A ``RequestHandle`` as the scheduler leaves it after admission."""
+    return SimpleNamespace(enqueued_at=clock.now, last_output_at=None, stats=SequenceStats(), finish_reason=None,
+                           error=None, cancelled=False)
 
 
-def emit(collector: StatsCollector, clock: FakeClock, handle: SimpleNamespace, tokens: int, drafted: int, accepted: int) -> None:
-    """One engine step for ``handle``: its running stats grow, then the observer hook runs."""
-    handle.generation.stats.forward_passes += 1
-    handle.generation.stats.drafted_tokens += drafted
-    handle.generation.stats.accepted_tokens += accepted
-    collector.on_output(handle, StepOutput(token_ids=[7] * tokens, text="x" * tokens, logprobs=None, finished=False))
-    handle.last_output_at = clock.now  # the scheduler sets this after the hooks
+def emit(collector: Observers | StatsCollector, clock: FakeClock, handle: SimpleNamespace, tokens: int, drafted: int,
+         accepted: int, forced: int = 0) -> None:
+    """One engine step for ``handle``, as the scheduler reports it: an output with a snapshot of
+    the grown stats and its latency go to the observer hook, then the handle records them."""
+    s = handle.stats
+    stats = dataclasses.replace(s, forward_passes=s.forward_passes + 1, drafted_tokens=s.drafted_tokens + drafted,
+                                accepted_tokens=s.accepted_tokens + accepted, forced_tokens=s.forced_tokens + forced)
+    output = StepOutput(token_ids=[7] * tokens, text="x" * tokens, logprobs=None, finish_reason=None, stats=stats)
+    collector.on_output(handle, output, output_latency(handle.enqueued_at, handle.last_output_at, tokens, clock.now))
+    handle.last_output_at, handle.stats = clock.now, stats  # the scheduler records them after the hooks
 
 
 @pytest.mark.parametrize(
@@ -64,7 +72,7 @@ def test_collector_counts_latencies_tokens_and_speculation_per_window():
     emit(collector, clock, handle, tokens=4, drafted=5, accepted=3)  # 4 tokens in 0.2 s: ITL 0.05 s x 4
     clock.now += 0.1
     emit(collector, clock, handle, tokens=1, drafted=2, accepted=0)  # ITL 0.1 s x 1
-    handle.generation.finish_reason = "stop"
+    handle.finish_reason = "stop"
     collector.on_finish(handle)
     collector.on_queue(0, 0)
 
@@ -92,7 +100,7 @@ def test_collector_forgets_buckets_older_than_the_window():
     handle = fake_handle(clock)
     collector.on_admit(handle)
     emit(collector, clock, handle, tokens=3, drafted=0, accepted=0)
-    handle.generation.finish_reason = "stop"
+    handle.finish_reason = "stop"
     collector.on_finish(handle)
     assert collector.snapshot()["window"]["output_tokens"] == 3
     clock.now += 30
@@ -101,14 +109,12 @@ def test_collector_forgets_buckets_older_than_the_window():
     assert len(snap["series"]) == 4 and all(p["output_tokens_per_s"] == 0 for p in snap["series"])
 
 
-def test_collector_counts_forced_tokens_when_the_engine_reports_them():
+def test_collector_counts_forced_tokens():
     clock = FakeClock()
     collector = StatsCollector(window_s=60, bucket_s=5, clock=clock)
     handle = fake_handle(clock)
-    handle.generation.stats = SimpleNamespace(forward_passes=0, drafted_tokens=0, accepted_tokens=0, forced_tokens=0)
     collector.on_admit(handle)
-    handle.generation.stats.forced_tokens = 6
-    emit(collector, clock, handle, tokens=7, drafted=0, accepted=0)
+    emit(collector, clock, handle, tokens=7, drafted=0, accepted=0, forced=6)
     assert collector.snapshot()["window"]["forced_tokens"] == 6
 
 
@@ -118,15 +124,51 @@ def test_collector_separates_ok_cancelled_and_failed_requests():
     ok, gone, failed, never_started = (fake_handle(clock) for _ in range(4))
     for h in (ok, gone, failed):
         collector.on_admit(h)
-    ok.generation.finish_reason = "stop"
-    gone.cancelled, gone.generation.finish_reason = True, "cancelled"
-    failed.error, failed.generation.finish_reason = "internal error while generating", "error"
-    never_started.generation, never_started.error = None, "prompt too long for the context window"
+    ok.finish_reason = "stop"
+    gone.cancelled, gone.finish_reason = True, "cancelled"
+    failed.error, failed.finish_reason = EngineError("internal error while generating"), "error"
+    never_started.stats, never_started.error = None, ContextWindowExceeded(500, 20, 512)
     for h in (ok, gone, failed, never_started):
         collector.on_finish(h)
     w = collector.snapshot()["window"]
     assert w["requests"] == {"ok": 1, "cancelled": 1, "error": 2}
     assert w["e2e_s"]["count"] == 1  # only completed requests have an end-to-end latency
+
+
+@pytest.mark.parametrize(
+    "last_output_at, tokens, expected",
+    [
+        (None, 3, (2.0, None)),  # the first output: TTFT only, however many tokens it has
+        (9.5, 4, (None, 0.125)),  # later: time since the previous output per token (0.5 s / 4)
+        (9.5, 0, (None, None)),  # no tokens (a stop string ended the text): no ITL sample
+    ],
+)
+def test_output_latency_is_ttft_first_then_time_per_token(last_output_at, tokens, expected):
+    latency = output_latency(enqueued_at=8.0, last_output_at=last_output_at, num_tokens=tokens, now=10.0)
+    assert (latency.ttft_s, latency.itl_s) == expected
+
+
+def test_metrics_and_stats_observe_the_same_latency_and_counters():
+    clock = FakeClock()
+    metrics, collector = Metrics(), StatsCollector(window_s=60, bucket_s=5, clock=clock)
+    both = Observers(metrics, collector)
+    handle = fake_handle(clock)
+    handle.admitted_at = clock.now
+    handle.request = SimpleNamespace(prompt_ids=[1, 2, 3])
+    both.on_admit(handle)
+    clock.now += 0.5
+    emit(both, clock, handle, tokens=1, drafted=0, accepted=0)
+    clock.now += 0.25
+    emit(both, clock, handle, tokens=5, drafted=6, accepted=4, forced=1)
+    handle.finish_reason = "stop"
+    both.on_finish(handle)
+    window = collector.snapshot()["window"]
+    value = metrics.registry.get_sample_value
+    assert value("parrot_time_to_first_token_seconds_sum") == pytest.approx(window["ttft_s"]["p50"]) == pytest.approx(0.5)
+    assert value("parrot_inter_token_latency_seconds_count") == window["itl_s"]["count"] == 5
+    assert value("parrot_inter_token_latency_seconds_sum") == pytest.approx(5 * window["itl_s"]["p50"]) == pytest.approx(0.25)
+    for name in ("forward_passes", "drafted_tokens", "accepted_tokens", "forced_tokens"):
+        assert value(f"parrot_{name}_total") == window[name] == handle.stats.counters()[name], name
 
 
 def test_observers_fan_out_every_hook_in_order():
@@ -139,7 +181,7 @@ def test_observers_fan_out_every_hook_in_order():
         def on_admit(self, handle):
             calls.append((self.name, "admit"))
 
-        def on_output(self, handle, output):
+        def on_output(self, handle, output, latency):
             calls.append((self.name, "output"))
 
         def on_finish(self, handle):
@@ -150,7 +192,7 @@ def test_observers_fan_out_every_hook_in_order():
 
     fan = Observers(Recorder("a"), Recorder("b"))
     fan.on_admit(None)
-    fan.on_output(None, None)
+    fan.on_output(None, None, None)
     fan.on_finish(None)
     fan.on_queue(0, 0)
     assert calls == [(n, hook) for hook in ("admit", "output", "finish", "queue") for n in ("a", "b")]

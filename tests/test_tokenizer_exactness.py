@@ -152,7 +152,8 @@ def test_pretokenizer_matches_tokenizers_on_real_text(embedded_tokenizer, token_
     texts = []
     for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "*.jsonl"))):
         with open(path, encoding="utf-8") as f:
-            texts += [json.loads(line)["prompt"] for line in f][:40]
+            rows = [json.loads(line) for line in f]
+        texts += [row["prompt"] for row in rows if "prompt" in row][:40]  # schemas.jsonl holds schemas, not prompts
     if not texts:  # a checkout without ../shared beside it: the bundled copies
         with open(os.path.join(os.path.dirname(__file__), "data", "fallback_prompts.jsonl"), encoding="utf-8") as f:
             texts = [json.loads(line)["prompt"] for line in f]

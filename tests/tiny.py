@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from drafting import DraftSizer
 from server.config import DraftingConfig
 from server.engine.engine import Engine
 from server.engine.hf_runner import HFForward
@@ -74,6 +75,7 @@ def tiny_engine(
     vocab_size: int = 64,
     prefill_chunk: int = 512,
     logit_scale: float = 4.0,
+    sizer: DraftSizer | None = None,
 ) -> Engine:
     """An engine over the tiny model. Adaptive drafting gets a flat synthetic cost curve."""
     model = tiny_hf_model(seed, vocab_size, logit_scale=logit_scale)
@@ -81,5 +83,5 @@ def tiny_engine(
     drafting = drafting or DraftingConfig()
     if cost is None and drafting.adaptive:
         cost = [0.0] + [1.0 + 0.02 * t for t in range(drafting.max_draft + 1)]
-    return Engine(forward, TinyTokenizer(vocab_size), drafting, cost, prefill_chunk)  # type: ignore[arg-type]
+    return Engine(forward, TinyTokenizer(vocab_size), drafting, cost, prefill_chunk, sizer=sizer)  # type: ignore[arg-type]
 

@@ -24,14 +24,14 @@ from typing import Sequence
 
 from tokenizer.bpe import TokenId
 from tokenizer.bpe_tables import PrefixEncoder
-from tokenizer.budget import TokenBudget
+from tokenizer.pieces import PieceCounter
 from tokenizer.pretokenize import NO_SPECIAL
 
 
 class _Run:
     """A long run piece at the start of the unsettled text."""
 
-    def __init__(self, budget: TokenBudget, text: str, keep: int) -> None:
+    def __init__(self, budget: PieceCounter, text: str, keep: int) -> None:
         self.encoder = PrefixEncoder(budget.bpe)
         self.encoder.extend(budget.bpe.model_bytes(text))
         self.length = len(text)  # characters
@@ -68,7 +68,7 @@ def _stand_in(text: str, keep: int) -> str:
 class AppendingEncoder:
     """``append(text)``; then ``count`` and ``tokens`` equal a full encode of everything appended."""
 
-    def __init__(self, budget: TokenBudget) -> None:
+    def __init__(self, budget: PieceCounter) -> None:
         self._budget = budget
         self._pre = budget.pretokenizer
         self._keep = max(self._pre.max_special_len, 2) + 2

@@ -97,9 +97,6 @@ class ByteLevelBPE:
                 self._cache[piece] = ids
         return ids
 
-    def count_piece(self, piece: str) -> int:
-        return len(self.encode_piece(piece))
-
     def encode_bytes(self, data: bytes) -> list[TokenId]:
         """BPE of raw bytes (missing bytes must already be removed)."""
         return [t.id for t in self._model.tokenize(data.decode("latin-1").translate(self._to_byte_level))]

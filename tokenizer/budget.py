@@ -27,16 +27,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Iterator, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterator, Literal, NamedTuple, Protocol
 
-from tokenizer.bpe import ByteLevelBPE, TokenId
+from tokenizer.appending import AppendingEncoder
+from tokenizer.bpe import TokenId
 from tokenizer.bpe_tables import PrefixEncoder, SuffixEncoder
-from tokenizer.loader import Tokenizer
-from tokenizer.pretokenize import MIN_RUN, NO_SPECIAL, Pretokenizer
+from tokenizer.interval import IntervalCounter
+from tokenizer.pieces import PieceCounter
+from tokenizer.pretokenize import NO_SPECIAL
 
 if TYPE_CHECKING:
-    from tokenizer.appending import AppendingEncoder
-    from tokenizer.interval import IntervalCounter
+    from transformers import PreTrainedTokenizerBase
 
 Side = Literal["left", "right"]
 Piece = tuple[int, int, TokenId]
@@ -81,37 +82,28 @@ class Truncation:
     truncated: bool
 
 
-class TokenBudget:
+class ChatTokenizer(Protocol):
+    """What a budget reads of the served tokenizer (:class:`tokenizer.loader.Tokenizer`, which
+    hands out its shared budget and so cannot be imported here)."""
+
+    hf: PreTrainedTokenizerBase
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
+class TokenBudget(PieceCounter):
     """Exact budgeting operations for one tokenizer; build once (about a second) and share it
     between requests and threads: its caches are dicts that are only filled (or cleared) with
-    values that do not depend on who computed them."""
+    values that do not depend on who computed them. Whole-text ``encode`` and ``count`` come
+    from :class:`~tokenizer.pieces.PieceCounter`."""
 
-    def __init__(self, tokenizer: Tokenizer, long_piece: int = 64) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, long_piece: int = 64) -> None:
         """``long_piece``: pieces longer than this many characters use the linear tables (tests
         lower it to exercise them on short inputs)."""
+        super().__init__(tokenizer.hf.backend_tokenizer, long_piece)
         self.tokenizer = tokenizer
-        self.bpe = ByteLevelBPE(tokenizer.hf.backend_tokenizer)
-        self.pretokenizer = Pretokenizer(self.bpe.special_tokens)
-        self.long_piece = max(long_piece, MIN_RUN)
 
     # -- whole texts --------------------------------------------------------------------------------
-
-    def encode(self, text: str) -> list[TokenId]:
-        """Token ids, identical to ``Tokenizer.encode``."""
-        ids: list[TokenId] = []
-        for s, e, special in self.pretokenizer.scan(text):
-            if special != NO_SPECIAL:
-                ids.append(special)
-            else:
-                ids.extend(self.bpe.encode_piece(text[s:e]))
-        return ids
-
-    def count(self, text: str) -> int:
-        total = 0
-        encode_piece = self.bpe.encode_piece
-        for s, e, special in self.pretokenizer.scan(text):
-            total += 1 if special != NO_SPECIAL else len(encode_piece(text[s:e]))
-        return total
 
     def count_till_limit(self, text: str, limit: int) -> int | None:
         """The token count if it is at most ``limit``, else None; reads only about ``limit``
@@ -138,14 +130,10 @@ class TokenBudget:
 
     def interval_counter(self, text: str) -> IntervalCounter:
         """An :class:`~tokenizer.interval.IntervalCounter` over ``text`` (one linear pass)."""
-        from tokenizer.interval import IntervalCounter
-
         return IntervalCounter(self, text)
 
     def appending_encoder(self) -> AppendingEncoder:
         """An empty :class:`~tokenizer.appending.AppendingEncoder`."""
-        from tokenizer.appending import AppendingEncoder
-
         return AppendingEncoder(self)
 
     def lost_characters(self, text: str) -> list[int]:
@@ -226,7 +214,7 @@ class TokenBudget:
                     return fit_end, fit_count, seen.end if fit_end < seen.end else None
             else:
                 for i in range(seen.end, seen.start, -1):
-                    count = seen.base_total + self._count_span(text, seen.base, i)
+                    count = seen.base_total + self.count_span(text, seen.base, i)
                     if count <= n:
                         return i, count, None
             if seen.start_clean and seen.before <= n:
@@ -259,17 +247,10 @@ class TokenBudget:
             fit_end, fit_count, whole = self._long_prefix(text, s, e, n - total, seen.join == "space")
             fit_count += total
         if seen.join == "space" and fit_end < s + 2:
-            count = seen.base_total + self._count_span(text, seen.base, s + 1)
+            count = seen.base_total + self.count_span(text, seen.base, s + 1)
             if count <= n:
                 fit_end, fit_count = s + 1, count
         return (fit_end, fit_count), whole
-
-    def _count_span(self, text: str, start: int, end: int) -> int:
-        """Tokens of ``text[start:end]`` scanned on its own (short spans)."""
-        return sum(
-            1 if special != NO_SPECIAL else len(self.bpe.encode_piece(text[s:e]))
-            for s, e, special in self.pretokenizer.scan(text, start, end)
-        )
 
     def _long_prefix(self, text: str, s: int, e: int, budget: int, skip_first: bool = False) -> tuple[int, int, int | None]:
         """Over the run piece ``text[s:e]``: (end, count) of its longest prefix with at most

@@ -81,10 +81,9 @@ def canonical_prefix(tokens: list[TokenId], forced_bytes: bytes, index: TokenByt
 class Grammar:
     """The grammar state of one request (wraps an llguidance ``LLMatcher``)."""
 
-    def __init__(self, matcher: Any, index: TokenBytes, vocab_size: int, fast_forward: bool = True) -> None:
+    def __init__(self, matcher: Any, index: TokenBytes, fast_forward: bool = True) -> None:
         self.matcher = matcher
         self.index = index
-        self.vocab_size = vocab_size
         self.fast_forward = fast_forward
         # Forced bytes -> the token the model began them with last time (see spelled_forced).
         self._spellings: dict[bytes, TokenId] = {}
@@ -232,4 +231,4 @@ class GrammarCompiler:
 
     def new_state(self, grammar_text: str, fast_forward: bool = True) -> Grammar:
         """A fresh grammar state for one request."""
-        return Grammar(self._template(grammar_text).deep_copy(), self.index, self.tokenizer.vocab_size, fast_forward)
+        return Grammar(self._template(grammar_text).deep_copy(), self.index, fast_forward)

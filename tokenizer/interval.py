@@ -23,14 +23,14 @@ from array import array
 from bisect import bisect_right
 
 from tokenizer.bpe_tables import PieceIntervals
-from tokenizer.budget import TokenBudget
+from tokenizer.pieces import PieceCounter
 from tokenizer.pretokenize import NO_SPECIAL
 
 
 class IntervalCounter:
     """``IntervalCounter(budget, text).count(start, end)`` == ``budget.count(text[start:end])``."""
 
-    def __init__(self, budget: TokenBudget, text: str) -> None:
+    def __init__(self, budget: PieceCounter, text: str) -> None:
         self.text = text
         self._budget = budget
         bpe = budget.bpe
@@ -76,7 +76,7 @@ class IntervalCounter:
                 return prefix[first + 1] - prefix[first]
             if first in self._long:
                 return self._long_count(first, start, end)
-            return self._budget._count_span(self.text, start, end)
+            return self._budget.count_span(self.text, start, end)
         # Head: from start to the first boundary of the full text that a re-split reaches.
         head, sync = 0, start
         if start != starts[first]:
@@ -98,13 +98,13 @@ class IntervalCounter:
             elif end == starts[last] + 1 and self._joins_space(last):
                 base = last - 1  # one character into a whitespace piece after a whitespace run
         if base < sync_index:
-            return self._budget._count_span(self.text, start, end)  # head and tail meet: short
+            return self._budget.count_span(self.text, start, end)  # head and tail meet: short
         if base == last and not cut_inside:
             return head + prefix[last + 1] - prefix[sync_index]
         if base == last and last in self._long:
             tail = self._long_count(last, starts[last], end)
         else:
-            tail = self._budget._count_span(self.text, starts[base], end)
+            tail = self._budget.count_span(self.text, starts[base], end)
         return head + prefix[base] - prefix[sync_index] + tail
 
     def _resplit(self, start: int, end: int) -> tuple[int, int]:

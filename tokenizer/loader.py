@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-if TYPE_CHECKING:
-    from tokenizer.budget import TokenBudget
+from tokenizer.budget import TokenBudget
 
 TokenId = int
 
@@ -78,12 +77,11 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt))
 
     @property
-    def budget(self) -> "TokenBudget":
-        """Exact token budgeting over this tokenizer (built on first use, then shared)."""
+    def budget(self) -> TokenBudget:
+        """Exact token budgeting over this tokenizer (built on first use, then shared; raises
+        :class:`~tokenizer.bpe.UnsupportedTokenizer` for a tokenizer it does not implement)."""
         cached = self.__dict__.get("_budget")
         if cached is None:
-            from tokenizer.budget import TokenBudget
-
             cached = self.__dict__["_budget"] = TokenBudget(self)
         return cached
 

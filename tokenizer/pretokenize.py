@@ -13,7 +13,9 @@ Stage 2 and 3 are one pattern here, :data:`PIECE_PATTERN`, with the lookahead ``
 to "not followed by a letter or other" because a digit ends the piece before it. Its character
 classes come from :mod:`tokenizer.unicode_classes`.
 
-Facts the budgeting algorithms rely on (each is tested in ``tests/test_tokenizer_pretokenize.py``):
+Facts the budgeting algorithms rely on (``tests/test_tokenizer_exactness.py`` checks the scan
+against `tokenizers` and the hard boundaries; ``tests/test_tokenizer_budget.py`` checks the
+algorithms built on the rest against full re-encodes):
 
 - a regex match at position p depends on the text from p up to one character past the match
   end, two for a whitespace run that ``\\s+(?!\\S)`` ended one character early; so a scan
@@ -155,12 +157,6 @@ class Pretokenizer:
                     break
                 p = text.find(first, p + 1)
         return best
-
-    def piece_end(self, text: str, pos: int, end: int) -> int:
-        """End of the first piece of ``text[pos:end]`` (no added token may start inside it)."""
-        m = _PIECE_RE.match(text, pos, end)
-        assert m is not None and m.end() > pos
-        return m.end()
 
     def char_class(self, ch: str) -> str:
         """"L", "D", "S" or "O" for one character."""

@@ -5,8 +5,8 @@ code point as a letter (onig ``\\p{L}``), a digit (Rust ``char::is_numeric``, sp
 whitespace (onig ``\\s``) or other. Those tables follow the Unicode version compiled into the
 `tokenizers` wheel (15.x for tokenizers 0.23), not Python's or the `regex` module's, which are newer
 and disagree on about 17,500 recently assigned code points. The ranges below were measured with
-:func:`measure_char_classes` over every code point; ``tests/test_tokenizer_pretokenize.py`` checks
-them against the installed `tokenizers` (re-measure after upgrading it).
+:func:`measure_char_classes` over every code point; ``tests/test_tokenizer_exactness.py`` checks
+a sample of them against the installed `tokenizers` (re-measure after upgrading it).
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
-"""The speculative decoding engine: one step = draft -> one forward pass -> accept -> commit.
+"""The speculative decoding engine: one step = plan -> one forward pass -> accept -> stops -> emit.
 
 ``Engine.step(sequences)`` advances every running sequence by one forward pass:
 
 1. plan: a sequence still prefilling feeds its next prompt chunk; otherwise it feeds the token
-   not yet in its KV cache (``pending``) followed by a draft from its n-gram drafter, cut to the
-   length the cost model says pays off;
+   not yet in its KV cache (``pending``), the tokens its grammar forces, and a draft from its
+   drafter, cut to the length the draft sizer says pays off in this pass;
 2. one forward pass over all sequences' tokens (the KV caches grow by what was fed);
 3. accept: the verification rule keeps a prefix of the draft plus one token of the model's own
-   (recovered or bonus), see ``sampling.py``;
-4. commit: crop each KV cache back to what was accepted, feed the accepted tokens to the drafter
-   and the acceptance statistics, apply stops (EOS, stop strings, max_tokens), emit text.
+   (recovered or bonus), see ``sampling.py``; the KV cache is cropped back to what was accepted;
+4. apply stops: a completed grammar, EOS / stop token ids, max_tokens, stop strings;
+5. emit: the tokens go to the output, the drafter and the statistics, and the step returns a
+   ``StepOutput`` per sequence, which is all that leaves the engine thread.
 
 A request's output does not depend on drafting: greedy output is the argmax chain either way,
 and sampling draws position t's token with randomness keyed by (seed, t).
@@ -20,81 +21,43 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
-from drafting import GRAMMAR_BUCKET, AcceptanceStats, DraftLengthPolicy, NGramDrafter, SuffixDrafter, match_bucket
+from drafting import (
+    GRAMMAR_BUCKET,
+    AcceptanceStats,
+    Drafter,
+    DrafterSettings,
+    DraftLengthPolicy,
+    DraftSizer,
+    DraftSlot,
+    match_bucket,
+    new_drafter,
+)
 from server.config import DraftingConfig
-from server.engine.sampling import Sampler, SamplingParams
+from server.engine.backend import Forward, KVCache
+from server.engine.errors import ContextWindowExceeded, EmptyPrompt
+from server.engine.interface import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SequenceStats,
+    SpeculationParams,
+    StepOutput,
+    TokenId,
+    TokenLogprob,
+)
+from server.engine.sampling import Sampler
 from server.engine.textout import TextAssembler
 from tokenizer import Tokenizer
 from tokenizer.grammar import Grammar
 
-TokenId = int
-FinishReason = Literal["stop", "length", "cancelled", "error"]
-
-
-@dataclass(frozen=True)
-class SpeculationParams:
-    """Per-request control of drafting (the ``speculation`` extension field of the API)."""
-
-    enabled: bool = True
-    max_draft: int | None = None  # None: the server's drafting.max_draft
-    fast_forward: bool = True  # force the tokens a grammar leaves no choice about
-
-
-@dataclass
-class GenerationRequest:
-    prompt_ids: list[TokenId]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    speculation: SpeculationParams = field(default_factory=SpeculationParams)
-    # Extra drafting context, indexed by the drafter but never fed to the model (source
-    # documents, OpenAI Predicted Outputs), as token ids.
-    draft_context: list[list[TokenId]] = field(default_factory=list)
-    # Grammar state of this request (constrained decoding), or None.
-    grammar: Grammar | None = None
-
-
-@dataclass
-class TokenLogprob:
-    token: TokenId
-    logprob: float
-    top: list[tuple[TokenId, float]]
-
-
-@dataclass
-class StepOutput:
-    """What one step produced for one sequence: new tokens and the text now safe to send."""
-
-    token_ids: list[TokenId]
-    text: str
-    logprobs: list[TokenLogprob] | None
-    finished: bool
-
-
-@dataclass
-class SequenceStats:
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    forward_passes: int = 0  # passes that produced output tokens (each yields at least one)
-    prefill_chunks: int = 0  # earlier passes over a long prompt that produced nothing yet
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    forced_tokens: int = 0  # grammar fast-forward tokens (never verified: the grammar allows nothing else)
-    started_at: float = 0.0
-    first_token_at: float | None = None
-    finished_at: float | None = None
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.started_at
-
-    @property
-    def elapsed_s(self) -> float:
-        end = self.finished_at if self.finished_at is not None else time.perf_counter()
-        return end - self.started_at
+# The request and output types live in interface.py; callers import them from here as well.
+__all__ = ["Engine", "FinishReason", "Generation", "GenerationRequest", "GenerationResult", "SequenceStats",
+           "SpeculationParams", "StepOutput", "TokenLogprob"]
 
 
 @dataclass
@@ -108,13 +71,16 @@ class _Plan:
 
 
 class Generation:
-    """One request in flight: KV cache, drafter, sampler, text, stats."""
+    """One request in flight: KV cache, drafter, sampler, text, stats. Only the thread that
+    drives the engine touches it; what others need leaves in ``StepOutput``s."""
 
-    def __init__(self, request: GenerationRequest, engine: "Engine") -> None:
+    def __init__(self, request: GenerationRequest, engine: Engine) -> None:
         params = request.params
         self.request = request
         self.params = params
-        self.cache = engine.forward.new_cache(len(request.prompt_ids) + min(params.max_tokens, 512) + engine.max_draft + 1)
+        self.cache: KVCache = engine.forward.new_cache(
+            len(request.prompt_ids) + min(params.max_tokens, 512) + engine.max_draft + 1
+        )
         self.pending: list[TokenId] = list(request.prompt_ids)
         self.output_ids: list[TokenId] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
@@ -128,12 +94,14 @@ class Generation:
         self.finish_reason: FinishReason | None = None
         self.grammar = request.grammar
         spec = request.speculation
-        self.max_draft = 0 if not (spec.enabled and engine.drafting.enabled) else min(
+        drafting = engine.drafting
+        self.max_draft = 0 if not (spec.enabled and drafting.enabled) else min(
             engine.max_draft, spec.max_draft if spec.max_draft is not None else engine.max_draft
         )
-        self.drafter: SuffixDrafter | NGramDrafter | None = None
+        self.drafter: Drafter | None = None
         if self.max_draft > 0:
-            self.drafter = engine.new_drafter(self.stop_token_ids)
+            settings = DrafterSettings(drafting.min_n, drafting.max_n, drafting.threshold, self.stop_token_ids)
+            self.drafter = new_drafter(drafting.method, settings)
             for doc in request.draft_context:
                 self.drafter.add_context(doc)
             self.drafter.extend(request.prompt_ids)
@@ -155,15 +123,6 @@ class Generation:
         self.grammar = None
 
 
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[TokenId]
-    finish_reason: FinishReason
-    stats: SequenceStats
-    logprobs: list[TokenLogprob] | None
-
-
 def _unpack_masks(masks: list[bytes], width: int) -> torch.Tensor:
     """Grammar bitmasks (bit i of byte i // 8 = token i) as a bool tensor ``[len(masks), width]``."""
     bits = np.unpackbits(np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(masks), -1), axis=1, bitorder="little")
@@ -178,13 +137,19 @@ class Engine:
 
     def __init__(
         self,
-        forward: Any,
+        forward: Forward[Any],
         tokenizer: Tokenizer,
         drafting: DraftingConfig,
         cost_curve: Sequence[float] | None = None,
         prefill_chunk: int = 512,
         prefill_chunk_busy: int = 128,
+        *,
+        sizer: DraftSizer | None = None,
     ) -> None:
+        """``cost_curve``: seconds of a pass over 1.. tokens (``costmodel.measure_cost_curve``);
+        adaptive drafting needs it, and drafts never exceed what it measured. ``sizer`` cuts the
+        drafts of each pass; by default the ``DraftLengthPolicy`` of the cost curve when
+        drafting is adaptive, else none (every draft is verified whole)."""
         self.forward = forward
         self.tokenizer = tokenizer
         self.drafting = drafting
@@ -197,42 +162,49 @@ class Engine:
                 raise ValueError("adaptive drafting needs a measured cost curve")
             self.policy = DraftLengthPolicy(cost_curve)
             self.max_draft = min(self.max_draft, self.policy.max_draft)
-
-    def new_drafter(self, stop_token_ids: frozenset[TokenId]) -> SuffixDrafter | NGramDrafter:
-        d = self.drafting
-        if d.method == "ngram":
-            return NGramDrafter(n=d.max_n, threshold=d.threshold, stop_token_ids=stop_token_ids)
-        return SuffixDrafter(min_n=d.min_n, max_n=d.max_n, stop_token_ids=stop_token_ids)
+        self.sizer = sizer if sizer is not None else (self.policy.size if self.policy is not None else None)
 
     def start(self, request: GenerationRequest) -> Generation:
+        """A new sequence for ``request``; raises ``EmptyPrompt`` or ``ContextWindowExceeded``."""
         if not request.prompt_ids:
-            raise ValueError("the prompt is empty")
-        total = len(request.prompt_ids) + request.params.max_tokens
-        if total > self.forward.max_positions:
-            raise ValueError(
-                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.params.max_tokens}) = {total} "
-                f"exceeds the context window of {self.forward.max_positions} tokens"
-            )
+            raise EmptyPrompt()
+        if len(request.prompt_ids) + request.params.max_tokens > self.forward.max_positions:
+            raise ContextWindowExceeded(len(request.prompt_ids), request.params.max_tokens, self.forward.max_positions)
         return Generation(request, self)
 
     # -- one step -------------------------------------------------------------------------------
 
     def step(self, sequences: Sequence[Generation]) -> list[StepOutput | None]:
-        """Advance each unfinished sequence by one forward pass (all in the same pass)."""
+        """Advance each unfinished sequence by one forward pass (all in the same pass); None for
+        a sequence that only read a prompt chunk (or was already finished)."""
         running = [s for s in sequences if not s.finished]
-        # 1. Plan: prompt chunk, or pending token + forced tokens + draft. While others decode,
-        #    a prompt is read in smaller chunks so that their next tokens are not held up long.
-        decoding = sum(len(s.pending) == 1 for s in running)
-        chunk = self.prefill_chunk_busy if decoding else self.prefill_chunk
-        plans = [self._plan(s, chunk) for s in running]
-        self._size_drafts(running, plans)
-        # 2. One forward pass over everything.
-        logits = self.forward.forward([(s.cache, p.tokens, p.num_logits) for s, p in zip(running, plans)])
-        # 3-4. Accept, commit, emit.
-        outputs = {id(s): self._commit(s, p, lg) for s, p, lg in zip(running, plans, logits)}
+        plans = self._plan(running)  # 1. a prompt chunk, or pending + forced tokens + a sized draft
+        logits = self._forward(running, plans)  # 2. one pass: [num_logits, vocab] per sequence
+        now = time.perf_counter()
+        outputs: dict[int, StepOutput] = {}
+        for seq, plan, seq_logits in zip(running, plans, logits):
+            if plan.num_logits == 0:  # a prompt chunk: nothing to accept yet
+                seq.pending = seq.pending[len(plan.tokens) :]
+                seq.stats.prefill_chunks += 1
+                continue
+            verified = self._accept(seq, plan, seq_logits)  # 3. accepted drafts + recovered/bonus token
+            tokens, text, finish = self._apply_stops(seq, plan.forced, verified)  # 4.
+            outputs[id(seq)] = self._emit(seq, seq_logits, tokens, text, finish, now)  # 5.
         return [outputs.get(id(s)) for s in sequences]
 
-    def _plan(self, seq: Generation, chunk: int) -> _Plan:
+    # 1. Plan ------------------------------------------------------------------------------------
+
+    def _plan(self, running: Sequence[Generation]) -> list[_Plan]:
+        """What each sequence feeds: a prompt chunk, or pending + forced tokens + a sized draft.
+        While others decode, a prompt is read in smaller chunks so that their next tokens are
+        not held up long."""
+        decoding = sum(len(s.pending) == 1 for s in running)
+        chunk = self.prefill_chunk_busy if decoding else self.prefill_chunk
+        plans = [self._plan_one(s, chunk) for s in running]
+        self._size_drafts(running, plans)
+        return plans
+
+    def _plan_one(self, seq: Generation, chunk: int) -> _Plan:
         """What ``seq`` feeds this step, with its longest possible draft (sized later)."""
         if len(seq.pending) > chunk:
             return _Plan(seq.pending[:chunk], 0, [], 0)
@@ -251,17 +223,15 @@ class Engine:
         return _Plan(seq.pending + forced, len(forced) + 1, draft, bucket, forced)
 
     def _propose(self, seq: Generation, forced: list[TokenId], budget: int) -> tuple[list[TokenId], int]:
-        """The n-gram draft that continues after the forced tokens (the pass itself yields one more)."""
+        """The drafter's draft after the forced tokens (the pass itself yields one more), and its bucket."""
         if seq.drafter is None or budget <= 0:
             return [], 0
-        proposal = seq.drafter.propose(min(seq.max_draft, budget), after=forced)
-        if not proposal:
-            return [], 0
-        return proposal, match_bucket(seq.drafter.last_match_length)
+        draft = seq.drafter.propose(min(seq.max_draft, budget), after=forced)
+        return draft.tokens, match_bucket(draft.match_length)
 
     def _spell_forced(self, seq: Generation, grammar: Grammar, forced: list[TokenId], budget: int) -> tuple[list[TokenId], int]:
-        """A draft for when the grammar allows none of the n-gram's: the forced bytes that the
-        canonical back-off held back (the ``"`` that opens a value, say), then the n-gram's
+        """A draft for when the grammar allows none of the drafter's: the forced bytes that the
+        canonical back-off held back (the ``"`` that opens a value, say), then the drafter's
         continuation after them."""
         if seq.drafter is None or budget <= 0:
             return [], 0
@@ -274,27 +244,24 @@ class Engine:
         return draft[: grammar.validate(draft)], GRAMMAR_BUCKET
 
     def _size_drafts(self, running: Sequence[Generation], plans: list[_Plan]) -> None:
-        """Cut every draft to the length that pays in this pass, then finish the plans.
-
-        The policy sizes the drafts of all requests together (``DraftLengthPolicy.allocate``):
-        alone, a request drafts what its acceptance and the cost curve pay for; in a batch, a
-        draft token must pay for its own row in a pass that already has one per request.
-        """
-        if self.policy is not None and any(p.draft for p in plans):
+        """Cut every draft to what the sizer says pays in this pass, then at a stop string;
+        finish the plans (grammar masks, tokens fed, logits needed)."""
+        decoding = [(s, p) for s, p in zip(running, plans) if p.num_logits > 0]
+        if self.sizer is not None and any(p.draft for _, p in decoding):
             # Prompt chunks in the pass are left out: they run through the float32 GEMM, not the
-            # rows the curve measures, and drafting more because a chunk makes the pass slow
+            # rows the cost curve measures, and drafting more because a chunk makes the pass slow
             # anyway would make that prompt's first token later still. A request reading the last
             # chunk of its prompt counts like one feeding a single token.
-            sizing = [(s, p) for s, p in zip(running, plans) if p.num_logits > 0]
-            lengths = self.policy.allocate([
-                (1 + len(p.forced), p.num_logits, s.acceptance.first_accept(p.bucket), s.acceptance.next_accept(p.bucket), len(p.draft))
-                for s, p in sizing
-            ])
-            for (_, p), k in zip(sizing, lengths):
-                p.draft = p.draft[:k]
-        for seq, p in zip(running, plans):
-            if p.num_logits == 0:
-                continue
+            slots = [
+                DraftSlot(rows=1 + len(p.forced), draft=p.draft, acceptance=s.acceptance, bucket=p.bucket,
+                          position=len(s.request.prompt_ids) + len(s.output_ids) + len(p.forced))
+                for s, p in decoding
+            ]
+            lengths = self.sizer(slots)
+            assert len(lengths) == len(slots), "a draft sizer returns one length per slot"
+            for (_, p), keep in zip(decoding, lengths):
+                p.draft = p.draft[:keep]
+        for seq, p in decoding:
             if seq.params.stop and p.draft:
                 p.draft = self._cut_at_stop_string(seq, p.forced, p.draft)
             if seq.grammar is not None:
@@ -313,37 +280,66 @@ class Engine:
                 return draft[:i]
         return draft
 
-    def _commit(self, seq: Generation, plan: _Plan, logits: torch.Tensor) -> StepOutput | None:
-        if plan.num_logits == 0:  # a prefill chunk: nothing to accept yet
-            seq.pending = seq.pending[len(plan.tokens) :]
-            seq.stats.prefill_chunks += 1
-            return None
-        now = time.perf_counter()
-        seq.stats.forward_passes += 1
+    # 2. Forward ---------------------------------------------------------------------------------
+
+    def _forward(self, running: Sequence[Generation], plans: list[_Plan]) -> list[torch.Tensor]:
+        """One pass over every sequence's planned tokens: logits ``[num_logits, vocab]`` each."""
+        cached = [seq.cache.length for seq in running]
+        for seq, length in zip(running, cached):
+            # Every token of the sequence is in its cache except the pending ones.
+            assert length + len(seq.pending) == len(seq.request.prompt_ids) + len(seq.output_ids)
+        logits = self.forward.forward([(s.cache, p.tokens, p.num_logits) for s, p in zip(running, plans)])
+        assert len(logits) == len(plans)
+        for seq, plan, rows, before in zip(running, plans, logits, cached):
+            assert tuple(rows.shape) == (plan.num_logits, self.forward.vocab_size), (tuple(rows.shape), plan.num_logits)
+            assert seq.cache.length == before + len(plan.tokens)
+        return logits
+
+    # 3. Accept ----------------------------------------------------------------------------------
+
+    def _accept(self, seq: Generation, plan: _Plan, logits: torch.Tensor) -> list[TokenId]:
+        """Verify the draft: the accepted drafts, then the model's own token (recovered or bonus).
+        Rejected drafts leave the KV cache; the statistics count the pass."""
         forced, draft = plan.forced, plan.draft
+        verify_logits = logits[len(forced) :]  # [len(draft) + 1, vocab]: the verified positions
         masks = None if plan.masks is None else _unpack_masks(plan.masks, logits.shape[-1])
-        verified, num_accepted = seq.sampler.verify(logits[len(forced) :], draft, len(seq.output_ids) + len(forced), masks)
-        tokens = forced + verified
-        # Rejected drafts leave the cache; the last emitted token is fed next step.
+        verified, num_accepted = seq.sampler.verify(verify_logits, draft, seq.output_ids + forced, masks)
+        # Rejected drafts leave the cache. The last verified token was never fed: it is the
+        # pending token of the next step.
         seq.cache.crop(seq.cache.length - (len(draft) - num_accepted))
+        seq.stats.forward_passes += 1
         seq.stats.drafted_tokens += len(draft)
         seq.stats.accepted_tokens += num_accepted
         seq.stats.forced_tokens += len(forced)
         seq.acceptance.observe(plan.bucket, len(draft), num_accepted)
+        return verified
 
-        # Stops that end on a token: a completed grammar, EOS / stop token ids, then max_tokens.
+    # 4. Apply stops -----------------------------------------------------------------------------
+
+    def _apply_stops(
+        self, seq: Generation, forced: list[TokenId], verified: list[TokenId]
+    ) -> tuple[list[TokenId], str, FinishReason | None]:
+        """The tokens this step emits, their text, and why the sequence ends (None: it goes on).
+        Stops that end on a token come first, then stop strings, which can end inside them."""
+        tokens, finish = self._token_stops(seq, forced, verified)
+        emitted = [t for t in tokens if t not in seq.stop_token_ids]
+        kept, text = seq.text.add(emitted)
+        if kept < len(emitted):  # a stop string ended generation inside these tokens
+            tokens = emitted[:kept]
+        if seq.text.stopped is not None:
+            finish = "stop"
+        return tokens, text, finish
+
+    def _token_stops(
+        self, seq: Generation, forced: list[TokenId], verified: list[TokenId]
+    ) -> tuple[list[TokenId], FinishReason | None]:
+        """A completed grammar, then EOS / stop token ids, then max_tokens."""
+        tokens = forced + verified
         finish: FinishReason | None = None
         if seq.grammar is not None:
-            # Once the grammar is complete nothing but EOS may follow: the output ends there, with
-            # or without drafts (an accepted draft can complete it mid-pass, before the EOS after it).
-            consumed = 0
-            for token in verified:
-                if seq.grammar.stopped or token in seq.stop_token_ids:
-                    break
-                seq.grammar.consume([token])
-                consumed += 1
-            if seq.grammar.stopped:
-                tokens, finish = tokens[: len(forced) + consumed], "stop"
+            kept = _advance_grammar(seq.grammar, verified, seq.stop_token_ids)
+            if kept is not None:
+                tokens, finish = tokens[: len(forced) + kept], "stop"
         if finish is None:
             for i, token in enumerate(tokens):
                 if token in seq.stop_token_ids:
@@ -353,12 +349,16 @@ class Engine:
         if len(tokens) >= room:
             tokens = tokens[:room]
             finish = finish or "length"
-        emitted = [t for t in tokens if t not in seq.stop_token_ids]
-        kept, text = seq.text.add(emitted)
-        if kept < len(emitted):  # a stop string ended generation inside these tokens
-            tokens = emitted[:kept]
-        if seq.text.stopped is not None:
-            finish = "stop"
+        return tokens, finish
+
+    # 5. Emit ------------------------------------------------------------------------------------
+
+    def _emit(
+        self, seq: Generation, logits: torch.Tensor, tokens: list[TokenId], text: str, finish: FinishReason | None,
+        now: float,
+    ) -> StepOutput:
+        """Append the tokens to the output (and logprobs, drafter, stats); end the sequence or
+        leave its last token pending."""
         logprobs = self._logprobs(seq, logits, tokens)
         seq.output_ids.extend(tokens)
         seq.stats.output_tokens = len(seq.output_ids)
@@ -371,7 +371,7 @@ class Engine:
             seq.pending = [tokens[-1]]
             if seq.drafter is not None:
                 seq.drafter.extend(tokens)
-        return StepOutput(token_ids=tokens, text=text, logprobs=logprobs, finished=finish is not None)
+        return StepOutput(tokens, text, logprobs, finish, seq.stats.snapshot())
 
     def _logprobs(self, seq: Generation, logits: torch.Tensor, tokens: list[TokenId]) -> list[TokenLogprob] | None:
         if seq.logprobs is None or not tokens:
@@ -403,6 +403,19 @@ class Engine:
             text="".join(pieces),
             token_ids=seq.output_ids,
             finish_reason=seq.finish_reason or "error",
-            stats=seq.stats,
+            stats=seq.stats.snapshot(),
             logprobs=seq.logprobs,
         )
+
+
+def _advance_grammar(grammar: Grammar, verified: list[TokenId], stop_token_ids: frozenset[TokenId]) -> int | None:
+    """Move the grammar past the verified tokens. Once it is complete nothing but EOS may follow,
+    so the output ends there, with or without drafts (an accepted draft can complete it mid-pass,
+    before the EOS after it): then the number of verified tokens kept, else None."""
+    consumed = 0
+    for token in verified:
+        if grammar.stopped or token in stop_token_ids:
+            break
+        grammar.consume([token])
+        consumed += 1
+    return consumed if grammar.stopped else None

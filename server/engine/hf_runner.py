@@ -17,6 +17,11 @@ class HFCache:
         self.length = 0
         self.max_positions = max_positions
 
+    @property
+    def capacity(self) -> int:
+        """A ``DynamicCache`` grows as needed, up to the context window."""
+        return self.max_positions
+
     def crop(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")

@@ -1,25 +1,23 @@
 """Parrot's own forward pass for Llama-family models, with a preallocated KV cache per sequence.
 
-Why not call the transformers model: on these 2-core CPUs a transformers forward spends most
-of its time outside the arithmetic (measured with the torch profiler on SmolLM2-135M, fp32,
-600-token cache: `DynamicCache` re-concatenates the whole cache every step, 14% of the time, and
-MKL's `sgemm` repacks every weight on every call, so 2 tokens cost 2x one token). Here:
+Why not call the transformers model: on CPUs a transformers forward spends much of its time
+outside the arithmetic (`DynamicCache` re-concatenates the whole cache every step, and MKL's
+`sgemm` repacks every weight on every call; README, "How decoding works", has the measurements).
+Here:
 
-- weights are fused (q|k|v, gate|up) and, on CPU, packed once for oneDNN, which makes the cost of
-  a pass nearly flat in the number of tokens (1 token 40 ms, 8 tokens 49 ms, 16 tokens 68 ms in
-  the same measurement) and the result of each row independent of how many rows are computed
-  together (the linear layers and RMSNorm are batch-invariant bit for bit);
-- the KV cache is one tensor per sequence, written in place; cropping it is setting a length;
 - sequences feeding up to 32 tokens (decoding passes) go through the compiled kernels
   (kernels.py, csrc/kernels.cpp): with GGUF blocks for every linear layer, the whole pass is one
   call (norms, block linears, RoPE, attention, SiLU, residuals), which computes every row on its
   own, so a token's logits are the same bit for bit alone or with a draft; without blocks, the
-  attention kernel alone. Prompt chunks use float32 GEMM and SDPA.
+  attention kernel alone, with the float32 linears below;
+- prompt chunks go through float32 weights, fused (q|k|v, gate|up) and, on CPU, packed once for
+  oneDNN, and SDPA;
+- the KV cache is one tensor per sequence, written in place; cropping it is setting a length.
 
 The weights, rotary tables and normalisation come from the loaded transformers model, so the
-arithmetic is the same as transformers' (same RMSNorm formula, the model's own rotary module).
-Several sequences can be fed in one pass: the linear layers run over all their new tokens
-together and attention runs per sequence.
+arithmetic is the same as transformers' up to the order of additions (same RMSNorm formula, the
+model's own rotary tables). Several sequences can be fed in one pass: the linear layers run over
+all their new tokens together and attention runs per sequence.
 """
 
 from __future__ import annotations

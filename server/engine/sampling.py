@@ -19,6 +19,7 @@ vLLM and transformers apply them.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -113,16 +114,23 @@ class Sampler:
         self,
         logits: torch.Tensor,
         draft_tokens: list[TokenId],
-        first_position: int,
+        output_before: Sequence[TokenId],
         allowed: torch.Tensor | None = None,
     ) -> tuple[list[TokenId], int]:
         """Accept a prefix of ``draft_tokens`` against ``logits`` ``[len(draft) + 1, vocab]``.
+
+        ``output_before``: the output tokens before the first verified position, so the tokens
+        before position i are ``output_before + draft_tokens[:i]``, at output position
+        ``len(output_before) + i`` (which keys its random numbers). A sampler whose distribution
+        depends on the output so far (presence or frequency penalties) reads it from there.
 
         Returns (tokens to emit, number of drafts accepted): the accepted drafts followed by the
         recovered token (first rejection) or the bonus token (all accepted). ``allowed`` (bool,
         same shape) masks each position to what a grammar allows there: greedy takes the masked
         argmax, sampling the masked distribution (still exact for the constrained target).
         """
+        assert logits.shape[0] == len(draft_tokens) + 1, (tuple(logits.shape), len(draft_tokens))
+        first_position = len(output_before)
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))
         if self.params.greedy:

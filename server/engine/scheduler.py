@@ -9,7 +9,9 @@ thread owns the engine and loops:
 2. drop cancelled requests (client gone, timeout), which frees their KV caches at once;
 3. one ``Engine.step`` over every running request: all of them advance in the same forward
    pass, so a long request cannot starve short ones, and long prompts are prefilled in chunks;
-4. hand each request's output to its asyncio queue with ``call_soon_threadsafe``.
+4. hand each request's output to its asyncio queue with ``call_soon_threadsafe``; the handle
+   keeps the finish reason and stats snapshot of the last one. A request's ``Generation`` never
+   leaves this thread: observers and routes read ``StepOutput``s and the handle.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from server.engine.engine import Engine, Generation, GenerationRequest, StepOutput
+from server.engine.engine import Engine, Generation
+from server.engine.errors import EngineError
+from server.engine.interface import FinishReason, GenerationRequest, SequenceStats, StepOutput
 
 log = logging.getLogger("parrot.scheduler")
 
@@ -32,28 +36,51 @@ class QueueFull(Exception):
     """The waiting queue is at its bound."""
 
 
-class EngineError(Exception):
-    """A request could not be run (invalid for the engine, or the engine failed)."""
-
-
 @dataclass
 class _Done:
-    error: str | None = None
+    error: EngineError | None = None
+
+
+@dataclass(frozen=True)
+class OutputLatency:
+    """Latencies of one output, measured once on the engine thread for every observer.
+
+    ``ttft_s``: submission -> this output, when it is the request's first (else None).
+    ``itl_s``: for a later output with tokens, the time since the previous output divided by its
+    tokens, one sample per token: a verification pass can emit several tokens at once, and this
+    is the time per output token as vLLM reports it (else None).
+    """
+
+    ttft_s: float | None
+    itl_s: float | None
+
+
+def output_latency(enqueued_at: float, last_output_at: float | None, num_tokens: int, now: float) -> OutputLatency:
+    """The ``OutputLatency`` of an output of ``num_tokens`` tokens at ``now``."""
+    if last_output_at is None:
+        return OutputLatency(now - enqueued_at, None)
+    return OutputLatency(None, (now - last_output_at) / num_tokens if num_tokens > 0 else None)
 
 
 class Observer(Protocol):
-    """Metrics hooks, called on the engine thread."""
+    """Metrics hooks, called on the engine thread: on_admit, on_output per output, on_finish."""
 
-    def on_admit(self, handle: "RequestHandle") -> None: ...
-    def on_output(self, handle: "RequestHandle", output: StepOutput) -> None: ...
-    def on_finish(self, handle: "RequestHandle") -> None: ...
+    def on_admit(self, handle: RequestHandle) -> None: ...
+    def on_output(self, handle: RequestHandle, output: StepOutput, latency: OutputLatency) -> None: ...
+    def on_finish(self, handle: RequestHandle) -> None: ...
     def on_queue(self, waiting: int, running: int) -> None: ...
 
 
 class RequestHandle:
-    """One submitted request, as the HTTP side sees it."""
+    """One submitted request, as the HTTP side sees it.
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, scheduler: "Scheduler", tag: str) -> None:
+    The engine thread writes ``finish_reason`` and ``stats`` (a snapshot: from admission on,
+    then the last output's) before it queues the output they came with, so a reader that has
+    received an output sees them at least that recent. The request's ``Generation`` stays on
+    the engine thread.
+    """
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, scheduler: Scheduler, tag: str) -> None:
         self.request = request
         self.tag = tag  # the endpoint, for metrics labels
         self.loop = loop
@@ -63,8 +90,9 @@ class RequestHandle:
         self.enqueued_at = time.perf_counter()
         self.admitted_at: float | None = None
         self.last_output_at: float | None = None
-        self.generation: Generation | None = None
-        self.error: str | None = None
+        self.finish_reason: FinishReason | None = None
+        self.stats: SequenceStats | None = None  # None until the engine accepted the request
+        self.error: EngineError | None = None
 
     def cancel(self) -> None:
         """Stop generating (client gone or timed out); the engine thread frees the KV cache."""
@@ -79,12 +107,12 @@ class RequestHandle:
             self.cancelled = True
 
     async def events(self) -> AsyncIterator[StepOutput]:
-        """Outputs until the generation ends; raises EngineError if it failed."""
+        """Outputs until the generation ends; raises its EngineError if it failed."""
         while True:
             item = await self.queue.get()
             if isinstance(item, _Done):
                 if item.error is not None:
-                    raise EngineError(item.error)
+                    raise item.error
                 return
             yield item
 
@@ -96,7 +124,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.observer = observer
         self._waiting: collections.deque[RequestHandle] = collections.deque()
-        self._running: list[RequestHandle] = []
+        self._running: list[tuple[RequestHandle, Generation]] = []
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -154,8 +182,8 @@ class Scheduler:
             if self._running:
                 self._step()
             self._report_queue()
-        for handle in list(self._waiting) + self._running:
-            self._finish(handle, "the server is shutting down")
+        for handle in list(self._waiting) + [h for h, _ in self._running]:
+            self._finish(handle, EngineError("the server is shutting down"))
 
     def _admit(self) -> list[RequestHandle]:
         admitted: list[RequestHandle] = []
@@ -169,49 +197,56 @@ class Scheduler:
             return
         handle.admitted_at = time.perf_counter()
         try:
-            handle.generation = self.engine.start(handle.request)
-        except ValueError as exc:
-            self._finish(handle, str(exc))
+            generation = self.engine.start(handle.request)
+        except ValueError as exc:  # an EngineRequestError, or another invalid input found on the way
+            self._finish(handle, exc if isinstance(exc, EngineError) else EngineError(str(exc)))
             return
-        self._running.append(handle)
+        handle.stats = generation.stats.snapshot()
+        self._running.append((handle, generation))
         if self.observer is not None:
             self.observer.on_admit(handle)
 
     def _drop_cancelled(self) -> None:
-        for handle in [h for h in self._running if h.cancelled]:
-            assert handle.generation is not None
-            handle.generation.cancel()
-            self._running.remove(handle)
-            self._finish(handle, None)
+        for handle, generation in [r for r in self._running if r[0].cancelled]:
+            generation.cancel()
+            self._running.remove((handle, generation))
+            self._ended(handle, generation, None)
 
     def _step(self) -> None:
-        generations = [h.generation for h in self._running]
         try:
-            outputs = self.engine.step(generations)  # type: ignore[arg-type]
+            outputs = self.engine.step([generation for _, generation in self._running])
         except Exception as exc:  # a bug or an out-of-memory: fail these requests, keep serving
             log.exception("engine step failed for %d requests", len(self._running))
-            for handle in self._running:
-                assert handle.generation is not None
-                handle.generation.finish("error")
-                self._finish(handle, f"internal error while generating: {type(exc).__name__}")
+            for handle, generation in self._running:
+                generation.finish("error")
+                self._ended(handle, generation, EngineError(f"internal error while generating: {type(exc).__name__}"))
             self._running = []
             return
         now = time.perf_counter()
         still_running = []
-        for handle, output in zip(self._running, outputs):
+        for (handle, generation), output in zip(self._running, outputs):
             if output is not None:
-                if self.observer is not None:
-                    self.observer.on_output(handle, output)
-                handle.last_output_at = now
-                handle.deliver(output)
-            assert handle.generation is not None
-            if handle.generation.finished:
+                self._output(handle, output, now)
+            if generation.finished:
                 self._finish(handle, None)
             else:
-                still_running.append(handle)
+                still_running.append((handle, generation))
         self._running = still_running
 
-    def _finish(self, handle: RequestHandle, error: str | None) -> None:
+    def _output(self, handle: RequestHandle, output: StepOutput, now: float) -> None:
+        if self.observer is not None:
+            latency = output_latency(handle.enqueued_at, handle.last_output_at, len(output.token_ids), now)
+            self.observer.on_output(handle, output, latency)
+        handle.last_output_at = now
+        handle.finish_reason, handle.stats = output.finish_reason, output.stats
+        handle.deliver(output)
+
+    def _ended(self, handle: RequestHandle, generation: Generation, error: EngineError | None) -> None:
+        """Finish a request the scheduler ended (cancelled, or failed) rather than the engine."""
+        handle.finish_reason, handle.stats = generation.finish_reason, generation.stats.snapshot()
+        self._finish(handle, error)
+
+    def _finish(self, handle: RequestHandle, error: EngineError | None) -> None:
         handle.error = error
         if self.observer is not None:
             self.observer.on_finish(handle)

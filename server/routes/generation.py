@@ -12,17 +12,15 @@ from typing import Any
 
 from fastapi import Request
 
-from server.app import ServerState
 from server.engine.engine import GenerationRequest, SpeculationParams, StepOutput, TokenLogprob
+from server.engine.errors import ContextWindowExceeded, EngineRequestError
+from server.engine.interface import SPECULATION_COUNTERS
 from server.engine.loader import LoadedModel
 from server.engine.scheduler import EngineError, QueueFull, RequestHandle, Scheduler
 from server.errors import APIError
 from server.schemas import SpeculationOptions, _GenerationFields
+from server.state import ServerState
 from tokenizer.grammar import Grammar, GrammarError
-
-
-def state_of(request: Request) -> ServerState:
-    return request.app.state.parrot  # type: ignore[no-any-return]
 
 
 def check_model(loaded: LoadedModel, requested: str | None) -> None:
@@ -156,10 +154,11 @@ async def collect(state: ServerState, http: Request, requests: list[GenerationRe
 
 
 def _engine_error(exc: EngineError) -> APIError:
-    message = str(exc)
-    if "context window" in message:
-        return APIError(400, message, code="context_length_exceeded")
-    return APIError(500, message)
+    if isinstance(exc, ContextWindowExceeded):
+        return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, EngineRequestError):
+        return APIError(400, str(exc))
+    return APIError(500, str(exc))
 
 
 async def stream_outputs(
@@ -216,21 +215,17 @@ def add_output(choice: Choice, out: StepOutput) -> None:
     if out.logprobs:
         choice.logprobs.extend(out.logprobs)
     if out.finished:
-        generation = choice.handle.generation if choice.handle else None
-        reason = generation.finish_reason if generation is not None else "stop"
-        choice.finish_reason = reason if reason in ("stop", "length") else "stop"
+        choice.finish_reason = out.finish_reason if out.finish_reason in ("stop", "length") else "stop"
 
 
 def usage(prompt_tokens: int, choices: list[Choice], prediction_ids: list[int] | None) -> dict[str, Any]:
     completion = sum(len(c.token_ids) for c in choices)
-    spec = {"forward_passes": 0, "drafted_tokens": 0, "accepted_tokens": 0, "forced_tokens": 0}
+    spec = dict.fromkeys(SPECULATION_COUNTERS, 0)
     for c in choices:
-        generation = c.handle.generation if c.handle else None
-        if generation is not None:
-            spec["forward_passes"] += generation.stats.forward_passes
-            spec["drafted_tokens"] += generation.stats.drafted_tokens
-            spec["accepted_tokens"] += generation.stats.accepted_tokens
-            spec["forced_tokens"] += generation.stats.forced_tokens
+        stats = c.handle.stats if c.handle else None  # the snapshot of its last output
+        if stats is not None:
+            for name, value in stats.counters().items():
+                spec[name] += value
     body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,

@@ -1,5 +1,9 @@
 """OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
 
+The two generating endpoints differ in how they turn a request into prompt token ids and in the
+shape of their choices (:class:`_Completions`, :class:`_Chat`); checking budgets, submitting,
+responding and streaming is one path, :func:`_serve`.
+
 ``truncate_prompt_tokens`` (vLLM's semantics: keep the last k prompt tokens) is reported by a
 top-level ``truncation`` object, named and shaped like /v1/summarize's but counted in tokens:
 ``{"truncated", "side": "left", "original_tokens", "kept_tokens"}`` (for a batch of prompts, sums
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from functools import lru_cache
 from typing import Any
@@ -18,7 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.engine.engine import GenerationRequest, TokenLogprob
+from server.engine.engine import GenerationRequest, StepOutput, TokenLogprob
 from server.engine.loader import LoadedModel
 from server.engine.sampling import SamplingParams
 from server.errors import APIError
@@ -31,11 +36,11 @@ from server.routes.generation import (
     grammar_state,
     new_id,
     speculation_params,
-    state_of,
     stream_outputs,
     usage,
 )
 from server.schemas import ChatCompletionRequest, CompletionRequest, _GenerationFields
+from server.state import ServerState, state_of
 from tokenizer import Tokenizer
 
 router = APIRouter()
@@ -59,9 +64,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     }
 
 
-def sampling_params(
-    req: _GenerationFields, max_tokens: int, logprobs: int | None, tokenizer: Tokenizer
-) -> SamplingParams:
+def sampling_params(req: _GenerationFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -76,15 +79,6 @@ def sampling_params(
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from None
-
-
-def _prepare(req: _GenerationFields, loaded: LoadedModel) -> None:
-    req.unsupported()
-    check_model(loaded, req.model)
-
-
-def _prediction_ids(req: _GenerationFields, tokenizer: Tokenizer) -> list[int] | None:
-    return tokenizer.encode(req.prediction.text()) if req.prediction is not None else None
 
 
 def _truncate(ids: list[int], req: _GenerationFields) -> list[int]:
@@ -146,172 +140,170 @@ def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], start
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-# -- /v1/completions --------------------------------------------------------------------------
+# -- the two endpoints' shapes ------------------------------------------------------------------
+
+
+class _Format(ABC):
+    """How one endpoint names its responses and shapes a choice; the rest is :func:`_serve`."""
+
+    path: str
+    id_prefix: str
+    response_object: str
+    chunk_object: str
+
+    def __init__(self, tokenizer: Tokenizer, logprobs: bool) -> None:
+        self.tokenizer = tokenizer
+        self.logprobs = logprobs  # whether choices carry logprobs
+
+    def opening(self, choice: Choice) -> dict[str, Any] | None:
+        """The chunk that opens a streamed choice, if the endpoint sends one."""
+        return None
+
+    @abstractmethod
+    def choice(self, choice: Choice) -> dict[str, Any]:
+        """A finished choice of a response."""
+
+    @abstractmethod
+    def delta(self, choice: Choice, out: StepOutput) -> dict[str, Any]:
+        """One engine output of a choice, as a streamed chunk's choice."""
+
+
+class _Completions(_Format):
+    path = "/v1/completions"
+    id_prefix = "cmpl"
+    response_object = chunk_object = "text_completion"
+
+    def choice(self, choice: Choice) -> dict[str, Any]:
+        return {"index": choice.index, "text": choice.text, "logprobs": self._logprobs(choice.logprobs),
+                "finish_reason": choice.finish_reason}
+
+    def delta(self, choice: Choice, out: StepOutput) -> dict[str, Any]:
+        return {"index": choice.index, "text": out.text, "logprobs": self._logprobs(out.logprobs or []),
+                "finish_reason": choice.finish_reason if out.finished else None}
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        return completion_logprobs(self.tokenizer, entries) if self.logprobs else None
+
+
+class _Chat(_Format):
+    path = "/v1/chat/completions"
+    id_prefix = "chatcmpl"
+    response_object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def opening(self, choice: Choice) -> dict[str, Any]:
+        return {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def choice(self, choice: Choice) -> dict[str, Any]:
+        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": self._logprobs(choice.logprobs), "finish_reason": choice.finish_reason}
+
+    def delta(self, choice: Choice, out: StepOutput) -> dict[str, Any]:
+        return {"index": choice.index, "delta": {"content": out.text} if out.text else {},
+                "logprobs": self._logprobs(out.logprobs or []),
+                "finish_reason": choice.finish_reason if out.finished else None}
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        return chat_logprobs(self.tokenizer, entries) if self.logprobs else None
+
+
+# -- the endpoints ----------------------------------------------------------------------------
+
+
+def _ready(request: Request, body: _GenerationFields) -> tuple[ServerState, LoadedModel]:
+    """The state and the loaded model, once the model is ready, the parameters are supported and
+    the model named is the one served."""
+    state = state_of(request)
+    loaded, _ = state.require_ready()
+    body.unsupported()
+    check_model(loaded, body.model)
+    return state, loaded
 
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
-    state = state_of(request)
-    loaded, _ = state.require_ready()
-    _prepare(body, loaded)
-    tokenizer = loaded.tokenizer
+    state, loaded = _ready(request, body)
+    vocab_size = loaded.forward.vocab_size
     prompts: list[list[int]] = []
-    original_tokens = 0
     for p in body.prompts():
         if isinstance(p, str):
-            ids = tokenizer.encode(p)
+            ids = loaded.tokenizer.encode(p)
         else:
-            bad = [t for t in p if not 0 <= t < loaded.forward.vocab_size]
+            bad = [t for t in p if not 0 <= t < vocab_size]
             if bad:
-                raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{loaded.forward.vocab_size - 1})",
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})",
                                param="prompt", code="invalid_value")
             ids = list(p)
-        original_tokens += len(ids)
-        ids = _truncate(ids, body)
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         prompts.append(ids)
-    prediction = _prediction_ids(body, tokenizer)
-    spec = speculation_params(body.speculation)
-    grammar = await compile_constraint(state, body)
-    requests = []
-    for ids in prompts:
-        max_tokens = check_context(loaded, len(ids), body.max_tokens, "prompt")
-        params = sampling_params(body, max_tokens, body.logprobs, tokenizer)
-        for _ in range(body.n):
-            requests.append(GenerationRequest(ids, params, spec, [prediction] if prediction else [],
-                                              grammar_state(state, grammar, spec)))
-    prompt_tokens = sum(len(ids) for ids in prompts)
-    truncation = _truncation(body, original_tokens, prompt_tokens)
-    response_id, created = new_id("cmpl"), int(time.time())
-
-    def choice_body(c: Choice) -> dict[str, Any]:
-        return {
-            "index": c.index,
-            "text": c.text,
-            "logprobs": completion_logprobs(tokenizer, c.logprobs) if body.logprobs is not None else None,
-            "finish_reason": c.finish_reason,
-        }
-
-    if not body.stream:
-        choices = await collect(state, request, requests, "/v1/completions")
-        _count_prediction(state, prediction, choices)
-        return JSONResponse(
-            {
-                "id": response_id,
-                "object": "text_completion",
-                "created": created,
-                "model": loaded.name,
-                "choices": [choice_body(c) for c in choices],
-                "usage": usage(prompt_tokens, choices, prediction),
-                **truncation,
-            }
-        )
-
-    choices, outputs = await stream_outputs(state, requests, "/v1/completions")
-
-    async def events() -> AsyncIterator[str]:
-        async for choice, out in outputs:
-            if not out.text and not out.finished:
-                continue
-            chunk = {
-                "index": choice.index,
-                "text": out.text,
-                "logprobs": completion_logprobs(tokenizer, out.logprobs or []) if body.logprobs is not None else None,
-                "finish_reason": choice.finish_reason if out.finished else None,
-            }
-            yield _sse({"id": response_id, "object": "text_completion", "created": created, "model": loaded.name,
-                        "choices": [chunk]})
-        if body.stream_options is not None and body.stream_options.include_usage:
-            _count_prediction(state, prediction, choices)
-            yield _sse({"id": response_id, "object": "text_completion", "created": created, "model": loaded.name,
-                        "choices": [], "usage": usage(prompt_tokens, choices, prediction), **truncation})
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(_guard(events()), media_type="text/event-stream")
-
-
-# -- /v1/chat/completions ---------------------------------------------------------------------
+    fmt = _Completions(loaded.tokenizer, logprobs=body.logprobs is not None)
+    return await _serve(state, request, loaded, body, fmt, prompts, "prompt", body.logprobs)
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
-    state = state_of(request)
-    loaded, _ = state.require_ready()
-    _prepare(body, loaded)
-    tokenizer = loaded.tokenizer
+    state, loaded = _ready(request, body)
     try:
-        ids = tokenizer.encode_chat(body.chat())
+        ids = loaded.tokenizer.encode_chat(body.chat())
     except Exception as exc:  # the template raised: say what it said
         raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages",
                        code="invalid_value") from None
-    original_tokens = len(ids)
-    ids = _truncate(ids, body)
-    truncation = _truncation(body, original_tokens, len(ids))
-    max_tokens = check_context(loaded, len(ids), body.token_limit(), "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens, logprobs, tokenizer)
-    prediction = _prediction_ids(body, tokenizer)
+    fmt = _Chat(loaded.tokenizer, logprobs=body.logprobs)
+    return await _serve(state, request, loaded, body, fmt, [ids], "messages", logprobs)
+
+
+async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: CompletionRequest | ChatCompletionRequest,
+                 fmt: _Format, prompts: list[list[int]], param: str, logprobs: int | None) -> JSONResponse | StreamingResponse:
+    """Generate ``body.n`` choices for each prompt (token ids before ``truncate_prompt_tokens``),
+    then answer in one response or as server-sent events, shaped by ``fmt``."""
+    kept = [_truncate(ids, body) for ids in prompts]
+    prompt_tokens = sum(len(ids) for ids in kept)
+    truncation = _truncation(body, sum(len(ids) for ids in prompts), prompt_tokens)
+    params = [sampling_params(body, check_context(loaded, len(ids), body.token_limit(), param), logprobs) for ids in kept]
+    prediction = loaded.tokenizer.encode(body.prediction.text()) if body.prediction is not None else None
     spec = speculation_params(body.speculation)
     grammar = await compile_constraint(state, body)
     requests = [
-        GenerationRequest(ids, params, spec, [prediction] if prediction else [], grammar_state(state, grammar, spec))
+        GenerationRequest(ids, prompt_params, spec, [prediction] if prediction else [], grammar_state(state, grammar, spec))
+        for ids, prompt_params in zip(kept, params)
         for _ in range(body.n)
     ]
-    response_id, created = new_id("chatcmpl"), int(time.time())
+    response_id, created = new_id(fmt.id_prefix), int(time.time())
+
+    def envelope(kind: str) -> dict[str, Any]:
+        return {"id": response_id, "object": kind, "created": created, "model": loaded.name}
 
     if not body.stream:
-        choices = await collect(state, request, requests, "/v1/chat/completions")
+        choices = await collect(state, http, requests, fmt.path)
         _count_prediction(state, prediction, choices)
-        return JSONResponse(
-            {
-                "id": response_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": loaded.name,
-                "choices": [
-                    {
-                        "index": c.index,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": chat_logprobs(tokenizer, c.logprobs) if body.logprobs else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    for c in choices
-                ],
-                "usage": usage(len(ids), choices, prediction),
-                **truncation,
-            }
-        )
+        return JSONResponse({**envelope(fmt.response_object), "choices": [fmt.choice(c) for c in choices],
+                             "usage": usage(prompt_tokens, choices, prediction), **truncation})
 
-    choices, outputs = await stream_outputs(state, requests, "/v1/chat/completions")
+    choices, outputs = await stream_outputs(state, requests, fmt.path)
 
     def chunk(choices_body: list[dict[str, Any]], **extra: Any) -> str:
-        return _sse({"id": response_id, "object": "chat.completion.chunk", "created": created, "model": loaded.name,
-                     "choices": choices_body, **extra})
+        return _sse({**envelope(fmt.chunk_object), "choices": choices_body, **extra})
 
     async def events() -> AsyncIterator[str]:
         for c in choices:
-            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+            opening = fmt.opening(c)
+            if opening is not None:
+                yield chunk([opening])
         async for choice, out in outputs:
-            if not out.text and not out.finished:
-                continue
-            delta = {"content": out.text} if out.text else {}
-            yield chunk([{
-                "index": choice.index,
-                "delta": delta,
-                "logprobs": chat_logprobs(tokenizer, out.logprobs or []) if body.logprobs else None,
-                "finish_reason": choice.finish_reason if out.finished else None,
-            }])
+            if out.text or out.finished:
+                yield chunk([fmt.delta(choice, out)])
         if body.stream_options is not None and body.stream_options.include_usage:
             _count_prediction(state, prediction, choices)
-            yield chunk([], usage=usage(len(ids), choices, prediction), **truncation)
+            yield chunk([], usage=usage(prompt_tokens, choices, prediction), **truncation)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(_guard(events()), media_type="text/event-stream")
 
 
-def _count_prediction(state: Any, prediction: list[int] | None, choices: list[Choice]) -> None:
+def _count_prediction(state: ServerState, prediction: list[int] | None, choices: list[Choice]) -> None:
     if prediction is None:
         return
     details = usage(0, choices, prediction)["completion_tokens_details"]

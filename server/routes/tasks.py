@@ -16,8 +16,9 @@ from server.engine.engine import GenerationRequest
 from server.engine.loader import LoadedModel
 from server.engine.sampling import SamplingParams
 from server.errors import APIError
-from server.routes.generation import check_context, check_model, collect, speculation_params, state_of, usage
+from server.routes.generation import check_context, check_model, collect, speculation_params, usage
 from server.schemas import CorrectRequest, SummarizeRequest
+from server.state import state_of
 from server.textdiff import char_edits
 
 router = APIRouter()
@@ -62,6 +63,7 @@ def fit_document(loaded: LoadedModel, instruction: str, text: str, max_input_tok
 
 async def _run(request: Request, loaded: LoadedModel, ids: list[int], max_tokens: int | None, body: Any,
                draft_context: list[list[int]], tag: str) -> tuple[str, dict[str, Any]]:
+    """Generate greedily from ``ids``; ``max_tokens`` is the request's ``token_limit``."""
     state = state_of(request)
     limit = check_context(loaded, len(ids), max_tokens, "text")
     generation = GenerationRequest(ids, SamplingParams(max_tokens=limit, temperature=0.0),
@@ -80,7 +82,7 @@ async def summarize(body: SummarizeRequest, request: Request) -> dict[str, Any]:
     else:
         ids = loaded.tokenizer.encode_chat(_messages(instruction, body.text))
         truncation = {"truncated": False, "original_characters": len(body.text), "kept_characters": len(body.text)}
-    summary, use = await _run(request, loaded, ids, body.max_tokens or 256, body, [], "/v1/summarize")
+    summary, use = await _run(request, loaded, ids, body.token_limit(), body, [], "/v1/summarize")
     return {"summary": summary, "model": loaded.name, "usage": use, "truncation": truncation}
 
 
@@ -91,8 +93,6 @@ async def correct(body: CorrectRequest, request: Request) -> dict[str, Any]:
     tokenizer = loaded.tokenizer
     ids = tokenizer.encode_chat(_messages(CORRECT_INSTRUCTION, body.text))
     text_ids = tokenizer.encode(body.text)
-    # A correction is about as long as its input: room for it plus some slack.
-    room = loaded.context_window - len(ids)
-    max_tokens = body.max_tokens or (min(2 * len(text_ids) + 32, room) if room > 0 else None)
+    max_tokens = body.token_limit(len(text_ids), loaded.context_window - len(ids))
     corrected, use = await _run(request, loaded, ids, max_tokens, body, [text_ids], "/v1/correct")
     return {"corrected": corrected, "edits": char_edits(body.text, corrected), "model": loaded.name, "usage": use}

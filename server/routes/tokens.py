@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request
 
 from server.engine.loader import LoadedModel
 from server.errors import APIError
-from server.routes.generation import check_model, state_of
+from server.routes.generation import check_model
 from server.schemas import ChatCompletionRequest, valid_unicode
 from server.schemas_tokens import (
     ChunkRequest,
@@ -34,6 +34,7 @@ from server.schemas_tokens import (
     TokenizeRequest,
     TruncateRequest,
 )
+from server.state import state_of
 from tokenizer import TokenBudget, Tokenizer
 
 router = APIRouter()
