@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("parrot.engine")
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = [os.path.join(_CSRC, "kernels.cpp"), os.path.join(_CSRC, "simd.h")]
+SOURCES = [os.path.join(_CSRC, "kernels.cpp"), os.path.join(_CSRC, "simd.h"), os.path.join(_CSRC, "pool.h")]
 # Instruction sets, best first: compiler flags and the /proc/cpuinfo flags they need.
 ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "avx512": (["-DPARROT_AVX512", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c"], ("avx512f", "avx512bw", "fma", "f16c")),
@@ -189,7 +189,7 @@ def _build(isa: str) -> str:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    flags = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", *ISAS[isa][0]]
+    flags = ["-O3", "-std=c++20", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", *ISAS[isa][0]]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     digest = hashlib.sha256(" ".join([cxx, *version, *flags]).encode())
     for path in SOURCES:

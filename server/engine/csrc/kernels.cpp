@@ -13,9 +13,8 @@
 // in each of 30 layers; dispatched one by one from Python/torch they cost more than the
 // arithmetic (the weights of a 135M model stream from memory in a few milliseconds).
 
+#include "pool.h"
 #include "simd.h"
-
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -101,8 +100,7 @@ inline void columns(const W& w, const float* x, int64_t M, int64_t K, int64_t n,
 template <int MT, int NT, class W>
 void run(const W& w, const float* x, int64_t M, int64_t K, float* y, int64_t N, int threads) {
   const int64_t tiled = N - N % NT;
-  #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t n = 0; n < tiled; n += NT) columns<MT, NT>(w, x, M, K, n, y, N);
+  pool(threads).parallel_for(tiled / NT, [&](int64_t t) { columns<MT, NT>(w, x, M, K, t * NT, y, N); });
   for (int64_t n = tiled; n < N; ++n) columns<MT, 1>(w, x, M, K, n, y, N);
 }
 
@@ -116,8 +114,8 @@ void linear_rows(const W& w, const float* x, int64_t M, int64_t K, float* y, int
     else if (M == 6) run<6, 4>(w, x, M, K, y, N, threads);
     else run<8, 3>(w, x, M, K, y, N, threads);
   } else {
-    if (M <= 2) run<2, 4>(w, x, M, K, y, N, threads);
-    else if (M == 3) run<3, 3>(w, x, M, K, y, N, threads);
+    if (M <= 2) run<2, 2>(w, x, M, K, y, N, threads);
+    else if (M == 3) run<3, 2>(w, x, M, K, y, N, threads);
     else if (M == 4) run<4, 2>(w, x, M, K, y, N, threads);
     else if (M <= 6) run<6, 2>(w, x, M, K, y, N, threads);
     else run<8, 1>(w, x, M, K, y, N, threads);
@@ -315,16 +313,12 @@ void parrot_attention(const float* q, int64_t n, int64_t heads, int64_t D, const
       for (int64_t d = 0; d < D; ++d)
         qs[((h / G) * R + t * G + h % G) * D + d] = q[(t * heads + h) * D + d] * scale;
   const int64_t items = kv_heads * chunks;
-  #pragma omp parallel num_threads(threads) if (items > 1 && threads > 1)
-  {
-    std::vector<float> scores(R * CHUNK);
-    #pragma omp for schedule(static)
-    for (int64_t i = 0; i < items; ++i) {
-      const int64_t h = i / chunks, c = i % chunks;
-      fn(qs.data() + h * R * D, n, G, limit.data(), k + h * capacity * D, v + h * capacity * D,
-         c * CHUNK, std::min((c + 1) * CHUNK, end), scores.data(), part.data() + i * R * (D + 2));
-    }
-  }
+  std::vector<float> scores(items * R * CHUNK);  // each item's own scratch
+  pool(threads).parallel_for(items, [&](int64_t i) {
+    const int64_t h = i / chunks, c = i % chunks;
+    fn(qs.data() + h * R * D, n, G, limit.data(), k + h * capacity * D, v + h * capacity * D,
+       c * CHUNK, std::min((c + 1) * CHUNK, end), scores.data() + i * R * CHUNK, part.data() + i * R * (D + 2));
+  });
   // Merge each row's chunks in order.
   std::vector<float> acc(D);
   for (int64_t h = 0; h < kv_heads; ++h) {
@@ -484,18 +478,18 @@ const char* parrot_isa() { return ISA; }
 // Reads `bytes` of `data` (split between `threads` threads, as a decoding pass reads its
 // weights) `repeats` times; returns a sum so that the reads cannot be optimised away.
 float parrot_read(const float* data, int64_t bytes, int repeats, int threads) {
-  const int64_t n = bytes / (int64_t)sizeof(float);
-  float total = 0.0f;
+  const int64_t n = bytes / (int64_t)sizeof(float), pieces = (n + 4095) / 4096;
+  std::vector<float> sums(pieces);
   for (int r = 0; r < repeats; ++r) {
-    #pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : total)
-    for (int64_t i0 = 0; i0 < n; i0 += 4096) {
+    pool(threads).parallel_for(pieces, [&](int64_t p) {
       F acc = zero();
-      const int64_t i1 = std::min(i0 + 4096, n);
-      int64_t i = i0;
-      for (; i + L <= i1; i += L) acc = add(acc, load(data + i));
-      total += hsum(acc);
-    }
+      const int64_t i1 = std::min((p + 1) * 4096, n);
+      for (int64_t i = p * 4096; i + L <= i1; i += L) acc = add(acc, load(data + i));
+      sums[p] += hsum(acc);
+    });
   }
+  float total = 0.0f;
+  for (float s : sums) total += s;
   return total;
 }
 
