@@ -114,6 +114,8 @@ void linear_rows(const W& w, const float* x, int64_t M, int64_t K, float* y, int
     else if (M == 6) run<6, 4>(w, x, M, K, y, N, threads);
     else run<8, 3>(w, x, M, K, y, N, threads);
   } else {
+    // 16 registers: 2 weight rows at a time up to 6 rows, 1 beyond (wider tiles, which also
+    // hold the scales of every weight row, spilled registers and measured slower).
     if (M <= 2) run<2, 2>(w, x, M, K, y, N, threads);
     else if (M == 3) run<3, 2>(w, x, M, K, y, N, threads);
     else if (M == 4) run<4, 2>(w, x, M, K, y, N, threads);
@@ -182,18 +184,27 @@ inline void score_rows(const float* qs, const float* kt, float* scores) {
 }
 
 // o_r += p_rj v_j for keys j < m of one tile, for GR rows r (their weights at scores + r * CHUNK,
-// their sums at part + r * (D + 2) + 2), one L-lane slice of the head dimension at a time.
+// their sums at part + r * (D + 2) + 2), VS L-lane slices of the head dimension at a time: each
+// weight is broadcast once per slice and each value vector loaded once for the GR rows. Every
+// (row, lane) sum still runs over the keys in order, whatever GR and VS are.
 template <int C, int GR>
 inline void weighted_values(const int64_t* rows, int64_t m, const float* scores, const float* values, float* part) {
   constexpr int D = L * C;
-  for (int c = 0; c < C; ++c) {
-    F o[GR];
-    for (int g = 0; g < GR; ++g) o[g] = load(part + rows[g] * (D + 2) + 2 + c * L);
+  constexpr int VS = C < 4 ? C : 4;
+  for (int c0 = 0; c0 < C; c0 += VS) {
+    F o[GR][VS];
+    for (int g = 0; g < GR; ++g)
+      for (int c = 0; c < VS; ++c) o[g][c] = load(part + rows[g] * (D + 2) + 2 + (c0 + c) * L);
     for (int64_t j = 0; j < m; ++j) {
-      const F v = load(values + j * D + c * L);
-      for (int g = 0; g < GR; ++g) o[g] = fmadd(set1(scores[rows[g] * CHUNK + j]), v, o[g]);
+      F v[VS];
+      for (int c = 0; c < VS; ++c) v[c] = load(values + j * D + (c0 + c) * L);
+      for (int g = 0; g < GR; ++g) {
+        const F p = set1(scores[rows[g] * CHUNK + j]);
+        for (int c = 0; c < VS; ++c) o[g][c] = fmadd(p, v[c], o[g][c]);
+      }
     }
-    for (int g = 0; g < GR; ++g) store(part + rows[g] * (D + 2) + 2 + c * L, o[g]);
+    for (int g = 0; g < GR; ++g)
+      for (int c = 0; c < VS; ++c) store(part + rows[g] * (D + 2) + 2 + (c0 + c) * L, o[g][c]);
   }
 }
 
@@ -259,7 +270,7 @@ void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const fl
   // multiply-adds in the same order.
   std::vector<int64_t> whole;
   whole.reserve(R);
-  constexpr int GR = REGISTERS / 2;
+  constexpr int GR = REGISTERS / (2 * (C < 4 ? C : 4));  // rows per group: half the registers hold sums
   for (int64_t j0 = 0; j0 < S; j0 += L) {
     const int64_t m = S - j0 < L ? S - j0 : L;
     whole.clear();
