@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from server.engine.kernels import available_isas, kernels
-from server.engine.quant import BlockWeight, _unpermute_rows
+from server.engine.quant import FORMATS, BlockWeight, _unpermute_rows
 
 
 def _random_q4_1(n: int, k: int, seed: int = 0) -> BlockWeight:
@@ -35,8 +35,9 @@ def test_q4_1_dequantization_follows_the_gguf_layout():
     dense = w.dequantize()
     for row in range(3):
         for block in range(2):
-            byte = w.data[row, block * 20 + 4 + 5].item()
-            d, m = (s[row, block].item() for s in w.scales())
+            raw = w.data[row, block * 20 : block * 20 + 20]
+            byte = raw[4 + 5].item()
+            d, m = raw[0:4].view(torch.float16).float().tolist()
             assert dense[row, block * 32 + 5].item() == pytest.approx(d * (byte & 15) + m, abs=0)
             assert dense[row, block * 32 + 21].item() == pytest.approx(d * (byte >> 4) + m, abs=0)
 
@@ -86,17 +87,22 @@ def test_embedded_model_uses_block_kernels_with_exact_weights(embedded_engine):
     assert forward.block_kernels and forward.lm_head.block is not None and forward.native is not None
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_dequantization_equals_the_gguf_reference_on_random_blocks(kind):
-    # Any bytes are valid blocks (scales included: float16 infinities and NaNs de-quantise as
-    # the reference does them).
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    from server.engine.quant import BLOCK_BYTES
-
-    data = torch.randint(0, 256, (7, 5 * BLOCK_BYTES[kind]), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
-    reference = dequantize(data.numpy(), GGMLQuantizationType[kind.upper()])
-    ours = BlockWeight(kind, data).dequantize()
-    assert torch.equal(ours.isnan(), torch.from_numpy(reference).isnan())
-    assert torch.equal(ours.nan_to_num(), torch.from_numpy(reference).float().nan_to_num())
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+def test_kernels_expand_every_block_format_as_the_gguf_reference_does(isa, kind):
+    # Any bytes are valid blocks. The kernel times the identity gives back its expansion of the
+    # weights exactly (one product of 1.0, the rest zeros), which must equal the reference's
+    # de-quantisation bit for bit. Rows with a non-finite weight are left out (0 * inf is NaN).
+    size, weights = FORMATS[kind]
+    k = 2 * max(weights, 64)
+    generator = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (64, k // weights * size), generator=generator, dtype=torch.uint8)
+    if kind in ("f32", "f16", "bf16"):  # random bytes would be mostly NaN rows: random floats instead
+        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[kind]
+        data = (torch.randn(64, k, generator=generator) * 100).to(dtype).view(torch.uint8)
+    reference = BlockWeight(kind, data).dequantize()
+    finite = reference.isfinite().all(dim=1)
+    assert finite.sum() >= 32
+    w = BlockWeight(kind, data[finite].contiguous())
+    expanded = kernels(isa).linear(torch.eye(k), w).T
+    assert torch.equal(expanded, reference[finite])

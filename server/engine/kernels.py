@@ -45,7 +45,8 @@ ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "avx2": (["-DPARROT_AVX2", "-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
     "portable": ([], ()),
 }
-KIND = {"q4_1": 1, "q8_0": 2}
+# Block formats by their number in csrc/kernels.cpp (enum Kind).
+KIND = {kind: i for i, kind in enumerate(("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"))}
 
 
 def _cpu_flags() -> set[str]:

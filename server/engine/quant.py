@@ -1,4 +1,5 @@
-"""GGUF block weights (Q4_1, Q8_0), kept in the file's own block layout: read, checked, cached.
+"""GGUF block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32), kept in the
+file's own block layout: read, checked, cached.
 
 A decoding pass over a few tokens is bound by reading the weights: the embedded model's float32
 weights are 540 MB, its GGUF blocks 96 MB. The compiled kernels (kernels.py, csrc/kernels.cpp)
@@ -34,52 +35,42 @@ _GGUF_NAMES = {
 }
 
 
-# Bytes of one block of 32 weights, as the GGUF stores it:
-#   Q4_1: d (float16), m (float16), 16 bytes: byte j holds value j (low nibble) and j + 16 (high);
-#         weight = d * q + m
-#   Q8_0: d (float16), 32 signed bytes; weight = d * q
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
-GGUF_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
+# The block formats the kernels run (csrc/kernels.cpp has their layouts): bytes of one block and
+# the weights it holds, by Parrot's name of the GGUF type.
+FORMATS = {
+    "f32": (128, 32), "f16": (64, 32), "bf16": (64, 32),
+    "q4_0": (18, 32), "q4_1": (20, 32), "q5_0": (22, 32), "q5_1": (24, 32), "q8_0": (34, 32),
+    "q4_k": (144, 256), "q5_k": (176, 256), "q6_k": (210, 256),
+}
+GGUF_KINDS = {kind.upper(): kind for kind in FORMATS}
+BLOCK_BYTES = {kind: size for kind, (size, _) in FORMATS.items()}
 
 
 @dataclass
 class BlockWeight:
-    """One weight matrix [N, K] in the GGUF's own blocks: ``data`` uint8 [N, K / 32 * block bytes]."""
+    """One weight matrix [N, K] in the GGUF's own blocks: ``data`` uint8 [N, K / weights per block
+    * bytes per block], the file's bytes as they are."""
 
     kind: str
     data: torch.Tensor
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.data.shape[0], self.data.shape[1] // BLOCK_BYTES[self.kind] * 32
+        size, weights = FORMATS[self.kind]
+        return self.data.shape[0], self.data.shape[1] // size * weights
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def _blocks(self) -> torch.Tensor:
-        n, k = self.shape
-        return self.data.view(n, k // 32, BLOCK_BYTES[self.kind])
-
-    def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """d and (Q4_1) m as float32 [N, K / 32]."""
-        blocks = self._blocks()
-        d = blocks[:, :, 0:2].contiguous().view(torch.float16)[:, :, 0].float()
-        m = blocks[:, :, 2:4].contiguous().view(torch.float16)[:, :, 0].float() if self.kind == "q4_1" else None
-        return d, m
-
     def dequantize(self) -> torch.Tensor:
-        """The float32 weights, computed as the GGUF reference does (d * q, then + m)."""
-        n, k = self.shape
-        blocks = self._blocks()
-        d, m = self.scales()
-        if self.kind == "q8_0":
-            q = blocks[:, :, 2:].contiguous().view(torch.int8).float()
-            return (d[:, :, None] * q).reshape(n, k)
-        assert m is not None
-        packed = blocks[:, :, 4:]
-        q = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # low nibbles are values 0..15
-        return (d[:, :, None] * q + m[:, :, None]).reshape(n, k)
+        """The float32 weights, by the gguf package's reference de-quantisation."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        with np.errstate(invalid="ignore", over="ignore"):  # any bytes are blocks: inf and NaN scales too
+            values = dequantize(self.data.numpy(), GGMLQuantizationType[self.kind.upper()])
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
 
     def rows(self, index: torch.Tensor) -> "BlockWeight":
         return BlockWeight(self.kind, self.data[index].contiguous())
@@ -92,8 +83,8 @@ class BlockWeight:
 
     @staticmethod
     def pack(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> "BlockWeight":
-        """Blocks from their parts: qs ([N, K / 2] uint8 nibbles for Q4_1, [N, K] int8 for Q8_0)
-        and d, m ([N, K / 32], rounded to float16 as the GGUF stores them)."""
+        """Q4_1 or Q8_0 blocks from their parts: qs ([N, K / 2] uint8 nibbles for Q4_1, [N, K] int8
+        for Q8_0) and d, m ([N, K / 32], rounded to float16 as the GGUF stores them)."""
         n, blocks = d.shape
         fields = [d.half().contiguous().view(torch.uint8).view(n, blocks, 2)]
         if kind == "q4_1":
@@ -109,7 +100,7 @@ def _from_gguf_tensor(tensor: Any) -> BlockWeight | None:
     if kind is None:
         return None
     data = np.ascontiguousarray(np.asarray(tensor.data))
-    return BlockWeight(kind, torch.from_numpy(data.reshape(data.shape[0], -1)))
+    return BlockWeight(kind, torch.from_numpy(data.view(np.uint8).reshape(data.shape[0], -1)))
 
 
 def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:

@@ -27,27 +27,129 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Linear layers: y = x @ W^T (+ bias) for W [N, K] in GGUF blocks of 32 along K.
 
-enum Kind : int32_t { Q4_1 = 1, Q8_0 = 2 };
+// A weight matrix in the GGUF's own blocks, row after row. The kernels work in units of 32
+// weights along K (a K-quant super-block of 256 holds 8); for unit b of weight row n, `block`
+// points at the (super-)block holding it, `scales` reads what multiplies its values, and
+// `part(s)` expands its lanes s L .. s L + L - 1 to float32 exactly as the gguf package's
+// reference de-quantises them: where the reference rounds once (d * q + m, d * q - m with d * q
+// exact), so does the kernel; where it rounds d * q (Q6_K), the kernel multiplies separately.
+enum Kind : int32_t { F32 = 0, F16 = 1, BF16 = 2, Q4_0 = 3, Q4_1 = 4, Q5_0 = 5, Q5_1 = 6, Q8_0 = 7, Q4_K = 8, Q5_K = 9, Q6_K = 10 };
 
-// A weight matrix in the GGUF's own blocks of 32 weights, row after row.
-// Q4_1 (20 bytes): d, m (float16), 16 bytes: byte j holds value j (low nibble) and j + 16 (high).
-struct Q4_1W {
-  static constexpr int64_t BYTES = 20;
-  const uint8_t* data;
-  int64_t K;
-  inline const uint8_t* block(int64_t n, int64_t b) const { return data + (n * (K / 32) + b) * BYTES; }
-  inline F part(const uint8_t* blk, int s, float d, float m) const { return q4_1(blk + 4, s, set1(d), set1(m)); }
-  static inline float m_of(const uint8_t* blk) { return half(blk + 2); }
+struct Scales {
+  float d0, d1, m;  // multiplier of lanes 0..15 and 16..31 of the unit; offset
 };
 
-// Q8_0 (34 bytes): d (float16), 32 signed bytes.
-struct Q8_0W {
-  static constexpr int64_t BYTES = 34;
+template <int64_t Bytes, int64_t Units>
+struct Layout {
+  static constexpr int64_t BYTES = Bytes;  // bytes of one (super-)block
+  static constexpr int64_t UNITS = Units;  // 32-weight units in it
   const uint8_t* data;
   int64_t K;
-  inline const uint8_t* block(int64_t n, int64_t b) const { return data + (n * (K / 32) + b) * BYTES; }
-  inline F part(const uint8_t* blk, int s, float d, float) const { return q8_0((const int8_t*)(blk + 2), s, set1(d)); }
-  static inline float m_of(const uint8_t*) { return 0.0f; }
+  inline const uint8_t* block(int64_t n, int64_t b) const {
+    return data + (n * (K / (32 * UNITS)) + b / UNITS) * BYTES;
+  }
+};
+
+// 4-bit values of 32 weights in 16 bytes: byte j holds value j (low nibble) and j + 16 (high).
+inline I nibbles(const uint8_t* qs, int s) {
+  return iand(shr(load_u8(qs + (s * L) % 16), s * L >= 16 ? 4 : 0), iset1(15));
+}
+// The 5th bit of values s L .. s L + L - 1 from a little-endian 32-bit mask.
+inline I fifth_bits(const uint8_t* qh, int s) {
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  return shl(iand(shrv(iset1((int32_t)h), iadd(lanes(), iset1(s * L))), iset1(1)), 4);
+}
+inline Scales plain(float d, float m = 0.0f) { return {d, d, m}; }
+
+struct F32W : Layout<128, 1> {
+  static Scales scales(const uint8_t*, int64_t) { return {}; }
+  static F part(const uint8_t* blk, int64_t, int s, const Scales&) { return load((const float*)blk + s * L); }
+};
+struct F16W : Layout<64, 1> {
+  static Scales scales(const uint8_t*, int64_t) { return {}; }
+  static F part(const uint8_t* blk, int64_t, int s, const Scales&) { return load_f16(blk + 2 * s * L); }
+};
+struct BF16W : Layout<64, 1> {
+  static Scales scales(const uint8_t*, int64_t) { return {}; }
+  static F part(const uint8_t* blk, int64_t, int s, const Scales&) { return bits(shl(load_u16(blk + 2 * s * L), 16)); }
+};
+// Q4_0 (18 bytes): d, 16 bytes of nibbles; weight = d * (q - 8).
+struct Q4_0W : Layout<18, 1> {
+  static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk)); }
+  static F part(const uint8_t* blk, int64_t, int s, const Scales& c) {
+    return mul(set1(c.d0), to_float(isub(nibbles(blk + 2, s), iset1(8))));
+  }
+};
+// Q4_1 (20 bytes): d, m, 16 bytes of nibbles; weight = d * q + m.
+struct Q4_1W : Layout<20, 1> {
+  static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk), half(blk + 2)); }
+  static F part(const uint8_t* blk, int64_t, int s, const Scales& c) {
+    return fmadd(set1(c.d0), to_float(nibbles(blk + 4, s)), set1(c.m));
+  }
+};
+// Q5_0 (22 bytes): d, 32-bit mask of 5th bits, nibbles; weight = d * (q - 16).
+struct Q5_0W : Layout<22, 1> {
+  static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk)); }
+  static F part(const uint8_t* blk, int64_t, int s, const Scales& c) {
+    return mul(set1(c.d0), to_float(isub(ior(nibbles(blk + 6, s), fifth_bits(blk + 2, s)), iset1(16))));
+  }
+};
+// Q5_1 (24 bytes): d, m, 5th bits, nibbles; weight = d * q + m.
+struct Q5_1W : Layout<24, 1> {
+  static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk), half(blk + 2)); }
+  static F part(const uint8_t* blk, int64_t, int s, const Scales& c) {
+    return fmadd(set1(c.d0), to_float(ior(nibbles(blk + 8, s), fifth_bits(blk + 4, s))), set1(c.m));
+  }
+};
+// Q8_0 (34 bytes): d, 32 signed bytes; weight = d * q.
+struct Q8_0W : Layout<34, 1> {
+  static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk)); }
+  static F part(const uint8_t* blk, int64_t, int s, const Scales& c) { return mul(set1(c.d0), to_float(load_i8(blk + 2 + s * L))); }
+};
+// Q4_K and Q5_K scales: 8 units, a 6-bit scale and a 6-bit min each, packed in 12 bytes.
+inline Scales k_scales(const uint8_t* blk, int64_t b) {
+  const uint8_t* sc = blk + 4;
+  const int u = (int)(b % 8);
+  const int scale = u < 4 ? sc[u] & 63 : (sc[u + 4] & 15) | ((sc[u - 4] >> 6) << 4);
+  const int min = u < 4 ? sc[u + 4] & 63 : (sc[u + 4] >> 4) | ((sc[u] >> 6) << 4);
+  const float d = half(blk) * (float)scale;  // exact: 11 x 6 bits
+  return {d, d, -(half(blk + 2) * (float)min)};
+}
+// Q4_K (144 bytes per 256): d, dmin, scales, 128 bytes: unit u in bytes 32 (u / 2) .., nibble u % 2;
+// weight = d * scale * q - dmin * min.
+struct Q4_KW : Layout<144, 8> {
+  static Scales scales(const uint8_t* blk, int64_t b) { return k_scales(blk, b); }
+  static F part(const uint8_t* blk, int64_t b, int s, const Scales& c) {
+    const int u = (int)(b % 8);
+    const I q = iand(shr(load_u8(blk + 16 + 32 * (u / 2) + s * L), 4 * (u % 2)), iset1(15));
+    return fmadd(set1(c.d0), to_float(q), set1(c.m));
+  }
+};
+// Q5_K (176 bytes): d, dmin, scales, 32 bytes of 5th bits (bit u of byte l), 128 bytes as Q4_K.
+struct Q5_KW : Layout<176, 8> {
+  static Scales scales(const uint8_t* blk, int64_t b) { return k_scales(blk, b); }
+  static F part(const uint8_t* blk, int64_t b, int s, const Scales& c) {
+    const int u = (int)(b % 8);
+    const I low = iand(shr(load_u8(blk + 48 + 32 * (u / 2) + s * L), 4 * (u % 2)), iset1(15));
+    const I high = shl(iand(shr(load_u8(blk + 16 + s * L), u), iset1(1)), 4);
+    return fmadd(set1(c.d0), to_float(ior(low, high)), set1(c.m));
+  }
+};
+// Q6_K (210 bytes): 128 bytes of low nibbles, 64 of 2-bit highs, 16 signed scales (one per 16
+// weights), d; weight = (d * scale) * (q - 32), rounded as the reference rounds it.
+struct Q6_KW : Layout<210, 8> {
+  static Scales scales(const uint8_t* blk, int64_t b) {
+    const int u = (int)(b % 8);
+    const float d = half(blk + 208);
+    return {d * (float)(int8_t)blk[192 + 2 * u], d * (float)(int8_t)blk[193 + 2 * u], 0.0f};
+  }
+  static F part(const uint8_t* blk, int64_t b, int s, const Scales& c) {
+    const int u = (int)(b % 8), h = u / 4, t = u % 4;
+    const I low = iand(shr(load_u8(blk + 64 * h + 32 * (u % 2) + s * L), 4 * (t / 2)), iset1(15));
+    const I high = shl(iand(shr(load_u8(blk + 128 + 32 * h + s * L), 2 * t), iset1(3)), 4);
+    return mul(set1(s * L < 16 ? c.d0 : c.d1), to_float(isub(ior(low, high), iset1(32))));
+  }
 };
 
 // MT rows of x against NT weight rows n .. n + NT - 1. Each accumulator acc[i][j] sums
@@ -61,15 +163,14 @@ inline void tile(const W& w, const float* x, int64_t K, int64_t n, float* y, int
     for (int j = 0; j < NT; ++j) acc[i][j] = zero();
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* blk[NT];
-    float d[NT], m[NT];
+    Scales sc[NT];
     for (int j = 0; j < NT; ++j) {
       blk[j] = w.block(n + j, b);
-      d[j] = half(blk[j]);
-      m[j] = W::m_of(blk[j]);
+      sc[j] = W::scales(blk[j], b);
     }
     for (int s = 0; s < PARTS; ++s) {
       F wp[NT];
-      for (int j = 0; j < NT; ++j) wp[j] = w.part(blk[j], s, d[j], m[j]);
+      for (int j = 0; j < NT; ++j) wp[j] = W::part(blk[j], b, s, sc[j]);
       for (int i = 0; i < MT; ++i) {
         F xp = load(x + i * K + b * 32 + s * L);
         pin(xp);
@@ -137,10 +238,20 @@ struct Mat {
 };
 
 void parrot_linear(const Mat* w, const float* x, int64_t M, float* y, int threads) {
-  if (w->kind == Q4_1) {
-    linear_rows(Q4_1W{w->data, w->K}, x, M, w->K, y, w->N, threads);
-  } else {
-    linear_rows(Q8_0W{w->data, w->K}, x, M, w->K, y, w->N, threads);
+  const int64_t K = w->K, N = w->N;
+  switch (w->kind) {
+    case F32: linear_rows(F32W{{w->data, K}}, x, M, K, y, N, threads); break;
+    case F16: linear_rows(F16W{{w->data, K}}, x, M, K, y, N, threads); break;
+    case BF16: linear_rows(BF16W{{w->data, K}}, x, M, K, y, N, threads); break;
+    case Q4_0: linear_rows(Q4_0W{{w->data, K}}, x, M, K, y, N, threads); break;
+    case Q4_1: linear_rows(Q4_1W{{w->data, K}}, x, M, K, y, N, threads); break;
+    case Q5_0: linear_rows(Q5_0W{{w->data, K}}, x, M, K, y, N, threads); break;
+    case Q5_1: linear_rows(Q5_1W{{w->data, K}}, x, M, K, y, N, threads); break;
+    case Q8_0: linear_rows(Q8_0W{{w->data, K}}, x, M, K, y, N, threads); break;
+    case Q4_K: linear_rows(Q4_KW{{w->data, K}}, x, M, K, y, N, threads); break;
+    case Q5_K: linear_rows(Q5_KW{{w->data, K}}, x, M, K, y, N, threads); break;
+    case Q6_K: linear_rows(Q6_KW{{w->data, K}}, x, M, K, y, N, threads); break;
+    default: break;
   }
   if (w->bias != nullptr)
     for (int64_t i = 0; i < M; ++i)

@@ -67,17 +67,23 @@ inline F exp(F a) {
   return {_mm512_maskz_mov_ps(~under, _mm512_scalef_ps(p, k))};
 }
 
-// Lanes of one block of 32 weights: part s (0 .. 32 / L - 1) holds values s L .. s L + L - 1.
-// Q4_1: byte j holds value j in its low nibble and value j + 16 in its high nibble; d * q is
-// exact in float32, so the fused multiply-add rounds once, like the reference's multiply and add.
-inline F q4_1(const uint8_t* q, int s, F d, F m) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
-  const __m512i v = s == 0 ? _mm512_and_si512(b, _mm512_set1_epi32(15)) : _mm512_srli_epi32(b, 4);
-  return {_mm512_fmadd_ps(d.v, _mm512_cvtepi32_ps(v), m.v)};
-}
-inline F q8_0(const int8_t* q, int s, F d) {
-  return {_mm512_mul_ps(d.v, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + s * 16)))))};
-}
+// Integer lanes, for unpacking quantised weights (kernels.cpp, the block formats).
+struct I { __m512i v; };
+inline I load_u8(const uint8_t* p) { return {_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))}; }
+inline I load_i8(const uint8_t* p) { return {_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))}; }
+inline I load_u16(const uint8_t* p) { return {_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p))}; }
+inline I iset1(int32_t a) { return {_mm512_set1_epi32(a)}; }
+inline I lanes() { return {_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)}; }
+inline I iadd(I a, I b) { return {_mm512_add_epi32(a.v, b.v)}; }
+inline I isub(I a, I b) { return {_mm512_sub_epi32(a.v, b.v)}; }
+inline I iand(I a, I b) { return {_mm512_and_si512(a.v, b.v)}; }
+inline I ior(I a, I b) { return {_mm512_or_si512(a.v, b.v)}; }
+inline I shr(I a, int n) { return {_mm512_srl_epi32(a.v, _mm_cvtsi32_si128(n))}; }
+inline I shl(I a, int n) { return {_mm512_sll_epi32(a.v, _mm_cvtsi32_si128(n))}; }
+inline I shrv(I a, I n) { return {_mm512_srlv_epi32(a.v, n.v)}; }
+inline F to_float(I a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline F bits(I a) { return {_mm512_castsi512_ps(a.v)}; }
+inline F load_f16(const uint8_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
 
 // dst[i * L + j] = src[j][col + i] for i, j < L: L dimensions of L keys, transposed.
 inline void transpose(const float* const* src, int64_t col, float* dst) {
@@ -159,16 +165,22 @@ inline F exp(F a) {  // the same algorithm as the AVX-512 build
   return {_mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)))};
 }
 
-// Part s of a block: bytes (s % 2) * 8 .. + 7, low nibbles for s < 2 (values 0..15), high ones
-// after (values 16..31).
-inline F q4_1(const uint8_t* q, int s, F d, F m) {
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + (s & 1) * 8)));
-  const __m256i v = s < 2 ? _mm256_and_si256(b, _mm256_set1_epi32(15)) : _mm256_srli_epi32(b, 4);
-  return {_mm256_fmadd_ps(d.v, _mm256_cvtepi32_ps(v), m.v)};
-}
-inline F q8_0(const int8_t* q, int s, F d) {
-  return {_mm256_mul_ps(d.v, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + s * 8)))))};
-}
+struct I { __m256i v; };
+inline I load_u8(const uint8_t* p) { return {_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))}; }
+inline I load_i8(const uint8_t* p) { return {_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))}; }
+inline I load_u16(const uint8_t* p) { return {_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p))}; }
+inline I iset1(int32_t a) { return {_mm256_set1_epi32(a)}; }
+inline I lanes() { return {_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)}; }
+inline I iadd(I a, I b) { return {_mm256_add_epi32(a.v, b.v)}; }
+inline I isub(I a, I b) { return {_mm256_sub_epi32(a.v, b.v)}; }
+inline I iand(I a, I b) { return {_mm256_and_si256(a.v, b.v)}; }
+inline I ior(I a, I b) { return {_mm256_or_si256(a.v, b.v)}; }
+inline I shr(I a, int n) { return {_mm256_srl_epi32(a.v, _mm_cvtsi32_si128(n))}; }
+inline I shl(I a, int n) { return {_mm256_sll_epi32(a.v, _mm_cvtsi32_si128(n))}; }
+inline I shrv(I a, I n) { return {_mm256_srlv_epi32(a.v, n.v)}; }
+inline F to_float(I a) { return {_mm256_cvtepi32_ps(a.v)}; }
+inline F bits(I a) { return {_mm256_castsi256_ps(a.v)}; }
+inline F load_f16(const uint8_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }
 
 inline void transpose(const float* const* src, int64_t col, float* dst) {
   __m256 r[8], t[8], u[8];
@@ -253,19 +265,24 @@ inline F exp(F a) {  // the same algorithm, lane by lane
   return out;
 }
 
-inline F q4_1(const uint8_t* q, int s, F d, F m) {
-  F out;
-  for (int i = 0; i < 8; ++i) {
-    const uint8_t b = q[(s & 1) * 8 + i];
-    out.v[i] = (float)(s < 2 ? b & 15 : b >> 4);
-  }
-  return {d.v * out.v + m.v};  // d * q is exact: one rounding, as in the reference
-}
-inline F q8_0(const int8_t* q, int s, F d) {
-  F out;
-  for (int i = 0; i < 8; ++i) out.v[i] = (float)q[s * 8 + i];
-  return {d.v * out.v};
-}
+typedef int32_t vi __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(32)));
+struct I { vi v; };
+inline I load_u8(const uint8_t* p) { I a; for (int i = 0; i < 8; ++i) a.v[i] = p[i]; return a; }
+inline I load_i8(const uint8_t* p) { I a; for (int i = 0; i < 8; ++i) a.v[i] = (int8_t)p[i]; return a; }
+inline I load_u16(const uint8_t* p) { I a; for (int i = 0; i < 8; ++i) a.v[i] = p[2 * i] | (p[2 * i + 1] << 8); return a; }
+inline I iset1(int32_t a) { return {vi{} + a}; }
+inline I lanes() { return {vi{0, 1, 2, 3, 4, 5, 6, 7}}; }
+inline I iadd(I a, I b) { return {a.v + b.v}; }
+inline I isub(I a, I b) { return {a.v - b.v}; }
+inline I iand(I a, I b) { return {a.v & b.v}; }
+inline I ior(I a, I b) { return {a.v | b.v}; }
+inline I shr(I a, int n) { return {(vi)((vu)a.v >> n)}; }
+inline I shl(I a, int n) { return {(vi)((vu)a.v << n)}; }
+inline I shrv(I a, I n) { return {(vi)((vu)a.v >> (vu)n.v)}; }
+inline F to_float(I a) { return {__builtin_convertvector(a.v, vf)}; }
+inline F bits(I a) { F f; std::memcpy(&f.v, &a.v, sizeof f.v); return f; }
+inline F load_f16(const uint8_t* p) { F a; for (int i = 0; i < 8; ++i) a.v[i] = half(p + 2 * i); return a; }
 
 inline void transpose(const float* const* src, int64_t col, float* dst) {
   for (int i = 0; i < 8; ++i)
