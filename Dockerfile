@@ -18,8 +18,8 @@ ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 FROM ${PYTHON_IMAGE} AS base-cpu
 # torch==2.13.0 from PyPI is the CUDA build (several GB of CUDA packages); the CPU build of the
-# same version comes from PyTorch's CPU wheel index. g++ builds Parrot's GGUF block kernels
-# (server/engine/csrc) on CPUs with AVX-512; without it Parrot uses float32 weights.
+# same version comes from PyTorch's CPU wheel index. g++ builds Parrot's CPU kernels
+# (server/engine/csrc: AVX-512, AVX2 and portable); without it Parrot uses float32 weights.
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -79,7 +79,8 @@ USER 10001:10001
 # 5. Convert the GGUF once at build time (about 30 s) into the cache, with its block weights and
 #    kernels, so that a container starts in seconds; build with --build-arg PREWARM=0 for a
 #    smaller image (about 0.6 GB less) that does this on first start instead. (The kernels are
-#    built for the build machine's CPU; a container on a CPU without AVX-512 uses float32.)
+#    built for the instruction sets the build machine's CPU runs; on another CPU the container
+#    builds the ones it lacks on first start, in seconds, where g++ is in the image.)
 ARG PREWARM=1
 RUN if [ "$PREWARM" = "1" ]; then \
         python -c "import server; from server.config import ModelConfig; from server.engine.loader import load_model; load_model(ModelConfig(device='cpu'))"; \

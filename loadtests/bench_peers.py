@@ -14,7 +14,8 @@
    tokens, in this process; llama.cpp's from ``llama-bench -p 1,2,4,8 -n 0 -d 1000`` (given
    ``LLAMA_BENCH``). Beside them the floor: bytes a pass must read over the memory bandwidth
    measured here.
-3. Exactness: Parrot greedy with drafting on equals drafting off, on ``--exact-prompts`` prompts.
+3. Exactness: Parrot greedy with drafting on equals drafting off, on ``--exact-prompts`` prompts;
+   and a numerics check against transformers float32 (``loadtests/numerics.py``).
 
 Prints tables and writes loadtests/results/bench_peers.json, with the CPU and its flags.
 """
@@ -36,8 +37,20 @@ from loadtests.bench_engine import DATA, RESULTS, machine
 
 TASKS = ["summarization", "context_qa", "grammar", "code_edit", "open_chat"]
 COPY_TASKS = TASKS[:4]
+# llama.cpp with --poll 0: with its default polling an idle llama-server's threads keep spinning
+# after a request and slow down whichever server runs next (measured: Parrot's decoding right after
+# a default-polling llama-server ran at 2-20 tokens/s instead of 70-80).
 LLAMA_MODES = {"llama_plain": [], "llama_ngram_simple": ["--spec-type", "ngram-simple"],
                "llama_ngram_mod": ["--spec-type", "ngram-mod"]}
+
+
+def peer_env() -> dict[str, str]:
+    """The environment for llama.cpp's programs: this process's, less the OMP_WAIT_POLICY=PASSIVE
+    that importing Parrot sets (llama.cpp's OpenMP threads then sleep at every barrier of a pass:
+    measured, llama-bench's one-token pass took 40 ms instead of 15)."""
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)
+    return env
 
 
 def held_out_prompts(task: str, n: int) -> list[dict[str, Any]]:
@@ -149,7 +162,7 @@ def llama_bench(binary: str, gguf: str, depth: int, sizes: list[int], threads: i
     """llama.cpp's cost (ms) of a pass over n tokens after ``depth`` tokens, from llama-bench."""
     command = [binary, "-m", gguf, "-p", ",".join(map(str, sizes)), "-n", "0", "-d", str(depth),
                "-t", str(threads), "-o", "json", "-r", "5"]
-    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(command, capture_output=True, text=True, check=True, env=peer_env()).stdout
     return {row["n_prompt"]: 1e3 * row["n_prompt"] / row["avg_ts"] for row in json.loads(out)}
 
 
@@ -161,10 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exact-prompts", type=int, default=50, help="prompts for the on = off check (0: skip)")
     parser.add_argument("--depth", type=int, default=1000, help="context depth of the pass-cost table")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--numerics-per-task", type=int, default=2,
+                        help="prompts per task for the check against transformers float32 (0: skip)")
+    parser.add_argument("--kernels", default=None, help="Parrot's kernel set (PARROT_KERNELS; default: the best this CPU runs)")
     parser.add_argument("--port", type=int, default=8731)
     parser.add_argument("--out", default=str(RESULTS / "bench_peers.json"))
     args = parser.parse_args(argv)
 
+    if args.kernels:
+        os.environ["PARROT_KERNELS"] = args.kernels  # the Parrot server and the in-process passes
     from server.engine.kernels import cpu_description, kernels
     from server.engine.loader import resolve_source
 
@@ -188,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             for i, (name, flags) in enumerate(LLAMA_MODES.items()):
                 servers.append(Server(name, [llama_server, "-m", gguf, "--host", "127.0.0.1", "--port",
                                              str(args.port + 1 + i), "-t", str(args.threads), "-c", "4096",
-                                             "-np", "1", "--jinja", "--poll", "0", *flags], args.port + 1 + i))
+                                             "-np", "1", "--jinja", "--poll", "0", *flags], args.port + 1 + i,
+                                      peer_env()))
         for server in servers:
             server.wait()
         systems: dict[str, tuple[str, dict[str, Any]]] = {
@@ -227,17 +246,30 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers:
             server.stop()
 
-    # 2. Pass costs, with the servers stopped (nothing else running).
+    # 2. Pass costs, with the servers stopped: each side measured twice, alternating, the lesser
+    #    kept (a burst of load from neighbours then spoils one measurement, not the comparison).
     sizes = [1, 2, 4, 8]
-    parrot_costs = pass_costs(gguf, args.depth, sizes)
-    llama_costs = llama_bench(llama_bench_bin, gguf, args.depth, sizes, args.threads) if llama_bench_bin else {}
+    parrot_costs: dict[str, Any] = {}
+    llama_costs: dict[int, float] = {}
+    for _ in range(2):
+        measured = pass_costs(gguf, args.depth, sizes)
+        parrot_costs = {**measured, "ms": {n: min(ms, parrot_costs.get("ms", {}).get(n, ms)) for n, ms in measured["ms"].items()}}
+        if llama_bench_bin:
+            theirs = llama_bench(llama_bench_bin, gguf, args.depth, sizes, args.threads)
+            llama_costs = {n: min(ms, llama_costs.get(n, ms)) for n, ms in theirs.items()}
+
+    numerics = None
+    if args.numerics_per_task:
+        from loadtests.numerics import compare, prompts_per_task
+
+        numerics = compare(prompts_per_task(args.numerics_per_task))
 
     summary: dict[str, Any] = {}
     for name in names:
         summary[name] = {task: rates([p["runs"][name] for p in per_prompt if p["task"] == task]) for task in TASKS}
         summary[name]["copy_tasks"] = rates([p["runs"][name] for p in per_prompt if p["task"] in COPY_TASKS])
     result = {**info, "systems": names, "summary": summary, "pass_costs": {"parrot": parrot_costs, "llama_cpp": llama_costs},
-              "exactness": exact, "per_prompt": per_prompt}
+              "exactness": exact, "numerics": numerics, "per_prompt": per_prompt}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(render(result))
     print(f"wrote {args.out}")
@@ -287,6 +319,13 @@ def render(result: dict[str, Any]) -> str:
     if exact["prompts"]:
         lines.append(f"Exactness: drafting on = off on {exact['identical']}/{exact['prompts']} prompts"
                      + (f" (different: {', '.join(exact['different_ids'])})" if exact["different_ids"] else ""))
+    numerics = result.get("numerics")
+    if numerics:
+        gaps = ", ".join(f"{g:.2g}" for g in numerics["divergence_gaps"] if g is not None) or "none"
+        lines.append(f"Against transformers float32 (same de-quantised weights, {numerics['prompts']} prompts): "
+                     f"{numerics['identical']} identical greedy outputs; max |logit difference| "
+                     f"{numerics['max_logit_diff']:.2g}; top-2 gaps at divergences: {gaps} "
+                     f"({numerics['near_ties']} within {numerics['near_tie_threshold']:g})")
     return "\n".join(lines)
 
 
