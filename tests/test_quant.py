@@ -80,11 +80,23 @@ def test_block_kernel_rows_do_not_depend_on_the_rest_of_the_batch(isa, make):
         assert torch.equal(kernels(isa).linear(x[start:stop], w), together[start:stop])
 
 
+@pytest.mark.parametrize("isa", available_isas())
+def test_a_layer_of_parts_in_different_formats_equals_its_parts(isa):
+    # Q4_K_M files fuse q and k in Q4_K with v in Q6_K, say: one call over the parts must give
+    # each part's own outputs, side by side, with each part's slice of the bias.
+    parts = [_random_q4_1(40, 576, seed=1), _random_q8_0(24, 576, seed=2), _random_q4_1(8, 576, seed=3)]
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(72)
+    together = kernels(isa).linear(x, parts, bias)
+    apart = torch.cat([kernels(isa).linear(x, p) for p in parts], dim=1) + bias
+    assert torch.equal(together, apart)
+
+
 def test_embedded_model_uses_block_kernels_with_exact_weights(embedded_engine):
     # Every block matrix was checked bit for bit against transformers' weights when the GGUF
     # was converted; a mismatch would leave that layer on float32 weights.
     forward = embedded_engine.forward
-    assert forward.block_kernels and forward.lm_head.block is not None and forward.native is not None
+    assert forward.block_kernels and forward.lm_head.blocks is not None and forward.native is not None
 
 
 @pytest.mark.parametrize("isa", available_isas())

@@ -77,8 +77,11 @@ def cpu_description() -> str:
 
 
 class Mat(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int32), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("data", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p)]
+    pass
+
+
+Mat._fields_ = [("kind", ctypes.c_int32), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("data", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("next", ctypes.POINTER(Mat))]
 
 
 class LayerDesc(ctypes.Structure):
@@ -104,10 +107,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def mat(weight: "BlockWeight", bias: torch.Tensor | None = None) -> Mat:
-    """The library's view of a block matrix (the tensors must outlive it)."""
-    n, k = weight.shape
-    return Mat(KIND[weight.kind], n, k, _ptr(weight.data), _ptr(bias))
+def mats(parts: "Sequence[BlockWeight]", bias: torch.Tensor | None = None) -> list[Mat]:
+    """The library's view of a layer made of ``parts`` along N (each in one block format),
+    chained through ``next``: pass the first; keep the list (and the tensors) alive meanwhile."""
+    chain, offset = [], 0
+    for part in parts:
+        n, k = part.shape
+        chain.append(Mat(KIND[part.kind], n, k, _ptr(part.data), _ptr(None if bias is None else bias[offset : offset + n])))
+        offset += n
+    for a, b in zip(chain, chain[1:]):
+        a.next = ctypes.pointer(b)
+    return chain
 
 
 class Kernels:
@@ -131,15 +141,19 @@ class Kernels:
     def threads() -> int:
         return torch.get_num_threads()
 
-    def linear(self, x: torch.Tensor, weight: "BlockWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W.T (+ bias)``: x [M, K] float32, W in GGUF blocks; returns [M, N]."""
-        n, k = weight.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+    def linear(self, x: torch.Tensor, weight: "BlockWeight | Sequence[BlockWeight]",
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T (+ bias)``: x [M, K] float32, W in GGUF blocks (or parts of W along N, each
+        in its own format); returns [M, N]."""
+        parts = [weight] if not isinstance(weight, Sequence) else list(weight)
+        k = parts[0].shape[1]
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or any(p.shape[1] != k for p in parts):
             raise ValueError(f"x must be a float32 matrix with {k} columns, got {tuple(x.shape)} {x.dtype}")
         x = x.contiguous()
-        y = x.new_empty(x.shape[0], n)
+        y = x.new_empty(x.shape[0], sum(p.shape[0] for p in parts))
         if x.shape[0]:
-            self._lib.parrot_linear(ctypes.byref(mat(weight, bias)), x.data_ptr(), x.shape[0], y.data_ptr(), self.threads())
+            chain = mats(parts, bias)
+            self._lib.parrot_linear(ctypes.byref(chain[0]), x.data_ptr(), x.shape[0], y.data_ptr(), self.threads())
         return y
 
     def attention_supports(self, head_dim: int, heads: int, kv_heads: int) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from server.engine.kernels import Kernels, LayerDesc, ModelDesc, SeqDesc, mat
+from server.engine.kernels import Kernels, LayerDesc, ModelDesc, SeqDesc, mats
 from server.engine.kernels import kernels as load_kernels
 from server.engine.quant import BlockWeight
 
@@ -93,19 +93,29 @@ class Linear:
                                    for m, b in zip(modules, biases)]).detach().contiguous()
         self.dense = PackedLinear(weight, self.bias)
         self.kernels = kernels
-        self.block: BlockWeight | None = None
+        # Block weights, as parts along N: consecutive ones of one format fused (Q4_K_M files
+        # keep q and k in Q4_K and v in Q6_K, say).
+        self.blocks: list[BlockWeight] | None = None
         parts = [blocks[name] for name in names if name in blocks]
-        if kernels is not None and len(parts) == len(names) and len({p.kind for p in parts}) == 1:
-            self.block = BlockWeight.cat(parts) if len(parts) > 1 else parts[0]
+        if kernels is not None and len(parts) == len(names):
+            self.blocks = []
+            for part in parts:
+                if self.blocks and self.blocks[-1].kind == part.kind:
+                    self.blocks[-1] = BlockWeight.cat([self.blocks[-1], part])
+                else:
+                    self.blocks.append(part)
+        self._mats: list[Any] = []
 
     def __call__(self, x: torch.Tensor, small: bool = False) -> torch.Tensor:
-        if small and self.block is not None and self.kernels is not None:
-            return self.kernels.linear(x, self.block, self.bias)
+        if small and self.blocks is not None and self.kernels is not None:
+            return self.kernels.linear(x, self.blocks, self.bias)
         return self.dense(x)
 
     def mat(self) -> Any:
-        assert self.block is not None
-        return mat(self.block, self.bias)
+        """The head of this layer's chain of block matrices for the kernels (kept alive here)."""
+        assert self.blocks is not None
+        self._mats = mats(self.blocks, self.bias)
+        return self._mats[0]
 
 
 class _Layer:
@@ -234,11 +244,11 @@ class LlamaForward:
             cos, sin = inner.rotary_emb(probe, positions)
             self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [positions, head_dim]
         self.block_kernels = kernels is not None and all(
-            linear.block is not None for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            linear.blocks is not None for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )
         # The whole decoding pass in one kernel call, where every linear layer has blocks.
         self.native: ModelDesc | None = None
-        if self.block_kernels and self.attention_kernel is not None and self.lm_head.block is not None:
+        if self.block_kernels and self.attention_kernel is not None and self.lm_head.blocks is not None:
             self.native = self._describe(config)
 
     def _describe(self, config: Any) -> ModelDesc:
@@ -267,7 +277,8 @@ class LlamaForward:
         now, and their ratio: the floor of the pass's time."""
         linears = [linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         linears.append(self.lm_head)
-        weight_bytes = sum(lin.block.nbytes if lin.block is not None else lin.dense.nbytes for lin in linears)
+        weight_bytes = sum(sum(b.nbytes for b in lin.blocks) if lin.blocks is not None else lin.dense.nbytes
+                           for lin in linears)
         kv_bytes = 2 * self.num_layers * self.num_kv_heads * context * self.head_dim * self.dtype.itemsize
         bandwidth = self.kernels.read_bandwidth() if self.kernels is not None else float("nan")
         total = weight_bytes + kv_bytes

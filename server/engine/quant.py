@@ -43,7 +43,6 @@ FORMATS = {
     "q4_k": (144, 256), "q5_k": (176, 256), "q6_k": (210, 256),
 }
 GGUF_KINDS = {kind.upper(): kind for kind in FORMATS}
-BLOCK_BYTES = {kind: size for kind, (size, _) in FORMATS.items()}
 
 
 @dataclass

@@ -157,7 +157,7 @@ struct Q6_KW : Layout<210, 8> {
 // sequence whatever MT and NT are. Each part of a weight block is expanded once for the MT rows
 // and each x part is loaded once for the NT weight rows (pinned in a register).
 template <int MT, int NT, class W>
-inline void tile(const W& w, const float* x, int64_t K, int64_t n, float* y, int64_t N) {
+inline void tile(const W& w, const float* x, int64_t K, int64_t n, float* y, int64_t ldy) {
   F acc[MT][NT];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) acc[i][j] = zero();
@@ -183,49 +183,49 @@ inline void tile(const W& w, const float* x, int64_t K, int64_t n, float* y, int
     }
   }
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) y[i * N + n + j] = hsum(acc[i][j]);
+    for (int j = 0; j < NT; ++j) y[i * ldy + n + j] = hsum(acc[i][j]);
 }
 
 // Rows left after the full MT-row tiles: one tile of R rows (R < MT).
 template <int R, int MT, int NT, class W>
-inline void rest(const W& w, const float* x, int64_t left, int64_t K, int64_t n, float* y, int64_t N) {
+inline void rest(const W& w, const float* x, int64_t left, int64_t K, int64_t n, float* y, int64_t ldy) {
   if constexpr (R > 0 && R < MT) {
-    if (left == R) tile<R, NT>(w, x, K, n, y, N);
-    else rest<R - 1, MT, NT>(w, x, left, K, n, y, N);
+    if (left == R) tile<R, NT>(w, x, K, n, y, ldy);
+    else rest<R - 1, MT, NT>(w, x, left, K, n, y, ldy);
   }
 }
 
 template <int MT, int NT, class W>
-inline void columns(const W& w, const float* x, int64_t M, int64_t K, int64_t n, float* y, int64_t N) {
+inline void columns(const W& w, const float* x, int64_t M, int64_t K, int64_t n, float* y, int64_t ldy) {
   int64_t i = 0;
-  for (; i + MT <= M; i += MT) tile<MT, NT>(w, x + i * K, K, n, y + i * N, N);
-  rest<MT - 1, MT, NT>(w, x + i * K, M - i, K, n, y + i * N, N);
+  for (; i + MT <= M; i += MT) tile<MT, NT>(w, x + i * K, K, n, y + i * ldy, ldy);
+  rest<MT - 1, MT, NT>(w, x + i * K, M - i, K, n, y + i * ldy, ldy);
 }
 
 template <int MT, int NT, class W>
-void run(const W& w, const float* x, int64_t M, int64_t K, float* y, int64_t N, int threads) {
+void run(const W& w, const float* x, int64_t M, int64_t K, float* y, int64_t N, int64_t ldy, int threads) {
   const int64_t tiled = N - N % NT;
-  pool(threads).parallel_for(tiled / NT, [&](int64_t t) { columns<MT, NT>(w, x, M, K, t * NT, y, N); });
-  for (int64_t n = tiled; n < N; ++n) columns<MT, 1>(w, x, M, K, n, y, N);
+  pool(threads).parallel_for(tiled / NT, [&](int64_t t) { columns<MT, NT>(w, x, M, K, t * NT, y, ldy); });
+  for (int64_t n = tiled; n < N; ++n) columns<MT, 1>(w, x, M, K, n, y, ldy);
 }
 
 // Tile shapes by the number of rows, so that each weight block is expanded once per pass for up
 // to 8 rows: MT x NT accumulators, NT expanded weight parts and one x part fit the registers.
 template <class W>
-void linear_rows(const W& w, const float* x, int64_t M, int64_t K, float* y, int64_t N, int threads) {
+void linear_rows(const W& w, const float* x, int64_t M, int64_t K, float* y, int64_t N, int64_t ldy, int threads) {
   if constexpr (REGISTERS >= 32) {
-    if (M <= 4) run<4, 4>(w, x, M, K, y, N, threads);
-    else if (M == 5) run<5, 4>(w, x, M, K, y, N, threads);
-    else if (M == 6) run<6, 4>(w, x, M, K, y, N, threads);
-    else run<8, 3>(w, x, M, K, y, N, threads);
+    if (M <= 4) run<4, 4>(w, x, M, K, y, N, ldy, threads);
+    else if (M == 5) run<5, 4>(w, x, M, K, y, N, ldy, threads);
+    else if (M == 6) run<6, 4>(w, x, M, K, y, N, ldy, threads);
+    else run<8, 3>(w, x, M, K, y, N, ldy, threads);
   } else {
     // 16 registers: 2 weight rows at a time up to 6 rows, 1 beyond (wider tiles, which also
     // hold the scales of every weight row, spilled registers and measured slower).
-    if (M <= 2) run<2, 2>(w, x, M, K, y, N, threads);
-    else if (M == 3) run<3, 2>(w, x, M, K, y, N, threads);
-    else if (M == 4) run<4, 2>(w, x, M, K, y, N, threads);
-    else if (M <= 6) run<6, 2>(w, x, M, K, y, N, threads);
-    else run<8, 1>(w, x, M, K, y, N, threads);
+    if (M <= 2) run<2, 2>(w, x, M, K, y, N, ldy, threads);
+    else if (M == 3) run<3, 2>(w, x, M, K, y, N, ldy, threads);
+    else if (M == 4) run<4, 2>(w, x, M, K, y, N, ldy, threads);
+    else if (M <= 6) run<6, 2>(w, x, M, K, y, N, ldy, threads);
+    else run<8, 1>(w, x, M, K, y, N, ldy, threads);
   }
 }
 
@@ -233,33 +233,42 @@ void linear_rows(const W& w, const float* x, int64_t M, int64_t K, float* y, int
 
 extern "C" {
 
-// One weight matrix as the library sees it (quant.py builds these).
+// One weight matrix as the library sees it (kernels.py builds these): N rows of K weights in
+// one block format, and optionally the next matrix of a fused layer (q|k|v of different
+// formats, as Q4_K_M files have), whose outputs follow along N.
 struct Mat {
   int32_t kind;
   int64_t N, K;
-  const uint8_t* data;  // [N, K / 32 blocks]
+  const uint8_t* data;  // [N, K / weights per block blocks]
   const float* bias;    // [N] or null
+  const Mat* next;      // the next part along N, or null
 };
 
+// y = x @ W^T (+ bias) for x [M, K]; y [M, total N of the parts].
 void parrot_linear(const Mat* w, const float* x, int64_t M, float* y, int threads) {
-  const int64_t K = w->K, N = w->N;
-  switch (w->kind) {
-    case F32: linear_rows(F32W{{w->data, K}}, x, M, K, y, N, threads); break;
-    case F16: linear_rows(F16W{{w->data, K}}, x, M, K, y, N, threads); break;
-    case BF16: linear_rows(BF16W{{w->data, K}}, x, M, K, y, N, threads); break;
-    case Q4_0: linear_rows(Q4_0W{{w->data, K}}, x, M, K, y, N, threads); break;
-    case Q4_1: linear_rows(Q4_1W{{w->data, K}}, x, M, K, y, N, threads); break;
-    case Q5_0: linear_rows(Q5_0W{{w->data, K}}, x, M, K, y, N, threads); break;
-    case Q5_1: linear_rows(Q5_1W{{w->data, K}}, x, M, K, y, N, threads); break;
-    case Q8_0: linear_rows(Q8_0W{{w->data, K}}, x, M, K, y, N, threads); break;
-    case Q4_K: linear_rows(Q4_KW{{w->data, K}}, x, M, K, y, N, threads); break;
-    case Q5_K: linear_rows(Q5_KW{{w->data, K}}, x, M, K, y, N, threads); break;
-    case Q6_K: linear_rows(Q6_KW{{w->data, K}}, x, M, K, y, N, threads); break;
-    default: break;
+  int64_t ldy = 0;
+  for (const Mat* p = w; p != nullptr; p = p->next) ldy += p->N;
+  for (int64_t offset = 0; w != nullptr; offset += w->N, w = w->next) {
+    const int64_t K = w->K, N = w->N;
+    float* out = y + offset;
+    switch (w->kind) {
+      case F32: linear_rows(F32W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
+      case F16: linear_rows(F16W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
+      case BF16: linear_rows(BF16W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
+      case Q4_0: linear_rows(Q4_0W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
+      case Q4_1: linear_rows(Q4_1W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
+      case Q5_0: linear_rows(Q5_0W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
+      case Q5_1: linear_rows(Q5_1W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
+      case Q8_0: linear_rows(Q8_0W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
+      case Q4_K: linear_rows(Q4_KW{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
+      case Q5_K: linear_rows(Q5_KW{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
+      case Q6_K: linear_rows(Q6_KW{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
+      default: break;
+    }
+    if (w->bias != nullptr)
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t n = 0; n < N; ++n) out[i * ldy + n] += w->bias[n];
   }
-  if (w->bias != nullptr)
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t n = 0; n < w->N; ++n) y[i * w->N + n] += w->bias[n];
 }
 
 }  // extern "C"

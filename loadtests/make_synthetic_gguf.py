@@ -1,0 +1,157 @@
+"""Write a Llama GGUF of the size users run, with random weights, for speed and memory benchmarks.
+
+    python -m loadtests.make_synthetic_gguf --params 1B --type Q4_K_M --out /tmp/llama-1b-q4_k_m.gguf
+
+The shape is a published Llama-family model's (``SHAPES``: Llama 3.2 1B's layers, with the
+embedded model's vocabulary so that its tokenizer metadata, copied from the embedded GGUF, fits);
+every weight block holds random values with scales chosen so that weights come out about
+N(0, 0.02) (random bytes would give random float16 scales, up to 65504). The weights mean
+nothing, so acceptance of drafts does too: use the file for plain-decoding speed, pass-cost
+curves and memory. llama.cpp loads it as well (same tensor names, types and metadata).
+
+Quantisation mixes follow llama.cpp's for the file types: Q4_K_M keeps attn_v and ffn_down in
+Q6_K on the first and last eighth of the layers and on every third layer between, and the
+output (here the tied token embedding) in Q6_K; Q5_K_M likewise with Q5_K; the others are one
+type throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+SHAPES = {
+    # hidden, intermediate, layers, heads, kv heads (Llama 3.2 1B; vocabulary: the embedded model's)
+    "1B": (2048, 8192, 16, 32, 8),
+    # the embedded model's own shape (SmolLM2-135M), for quick checks
+    "135M": (576, 1536, 30, 9, 3),
+}
+# file type: (main type, type of the "more bits" tensors and the output)
+MIXES = {
+    "Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K"), "Q6_K": ("Q6_K", "Q6_K"),
+    "Q8_0": ("Q8_0", "Q8_0"), "Q4_0": ("Q4_0", "Q4_0"), "Q4_1": ("Q4_1", "Q4_1"),
+    "Q5_0": ("Q5_0", "Q5_0"), "Q5_1": ("Q5_1", "Q5_1"),
+}
+# What llama.cpp's quantiser uses for a K-quant tensor whose rows are not a multiple of 256
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+# llama.cpp's LLAMA_FTYPE numbers, for general.file_type
+FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+
+
+def _half(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, std: float = 0.02) -> np.ndarray:
+    """uint8 [rows, bytes]: blocks of ``kind`` whose weights are random, about N(0, std) in scale."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    n = rows * cols // weights
+    out = rng.integers(0, 256, (n, size), dtype=np.uint8)  # the quantised values: any bits
+    if kind in ("Q4_0", "Q5_0", "Q8_0"):  # d, then values centred by the format (q - 8, q - 16, int8)
+        spread = {"Q4_0": 4.6, "Q5_0": 9.2, "Q8_0": 74.0}[kind]
+        out[:, 0:2] = _half(np.full(n, std / spread))
+    elif kind in ("Q4_1", "Q5_1"):  # d, m: weight = d q + m with q uniform on 0..15 / 0..31
+        levels = 16 if kind == "Q4_1" else 32
+        d = std / (levels / 3.46)
+        out[:, 0:2] = _half(np.full(n, d))
+        out[:, 2:4] = _half(np.full(n, -d * (levels - 1) / 2))
+    elif kind in ("Q4_K", "Q5_K"):  # d, dmin, 12 bytes of 6-bit scales and mins, then values
+        levels = 16 if kind == "Q4_K" else 32
+        scale = 32  # every sub-block scale 32 and min 32 * (levels - 1) / 2 / 8: centred values
+        d = std / (levels / 3.46) / scale
+        out[:, 0:2] = _half(np.full(n, d))
+        out[:, 2:4] = _half(np.full(n, d * (levels - 1) / 2 * scale / 32))
+        # Every sub-block's 6-bit scale and min are 32 (0b100000). Sub-blocks 0-3 keep theirs in
+        # the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 take their low 4 bits
+        # from bytes 8-11 (0 here) and their top 2 from the top bits of bytes 0-3 and 4-7.
+        out[:, 4:12] = 32 | (0b10 << 6)
+        out[:, 12:16] = 0
+    elif kind == "Q6_K":  # 128 + 64 bytes of values, 16 int8 scales, d
+        out[:, 192:208] = 32
+        out[:, 208:210] = _half(np.full(n, std / 18.5 / 32))
+    else:
+        raise ValueError(f"no random blocks for {kind}")
+    return out.reshape(rows, -1)
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth, and every third layer between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def write(out: str, params: str, file_type: str, seed: int = 0) -> None:
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    from server.engine.loader import resolve_source
+
+    hidden, intermediate, layers, heads, kv_heads = SHAPES[params]
+    main_type, more_type = MIXES[file_type]
+    head_dim = hidden // heads
+    source = resolve_source("embedded")
+    tokenizer = GGUFReader(os.path.join(source.path, source.gguf_file or ""))
+    vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
+    rng = np.random.default_rng(seed)
+
+    writer = GGUFWriter(out, "llama")
+    writer.add_name(f"synthetic-llama-{params}-{file_type}")
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(FILE_TYPES[file_type])
+    for key, field in tokenizer.fields.items():  # the embedded model's tokenizer, as it is
+        if key.startswith("tokenizer."):
+            vtype = GGUFValueType(field.types[0])
+            sub = GGUFValueType(field.types[1]) if vtype == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), vtype, sub)
+
+    def add(name: str, kind: str, rows: int, cols: int) -> None:
+        if kind.endswith("_K") and cols % 256:  # rows a K-quant super-block does not divide: llama.cpp's fallback
+            kind = K_FALLBACK[kind]
+        writer.add_tensor(name, random_blocks(kind, rows, cols, rng), raw_dtype=GGMLQuantizationType[kind])
+
+    add("token_embd.weight", more_type, vocab, hidden)  # tied: also the output projection
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for i in range(layers):
+        v_and_down = more_type if _more_bits(i, layers) else main_type
+        add(f"blk.{i}.attn_q.weight", main_type, heads * head_dim, hidden)
+        add(f"blk.{i}.attn_k.weight", main_type, kv_heads * head_dim, hidden)
+        add(f"blk.{i}.attn_v.weight", v_and_down, kv_heads * head_dim, hidden)
+        add(f"blk.{i}.attn_output.weight", main_type, hidden, heads * head_dim)
+        add(f"blk.{i}.ffn_gate.weight", main_type, intermediate, hidden)
+        add(f"blk.{i}.ffn_up.weight", main_type, intermediate, hidden)
+        add(f"blk.{i}.ffn_down.weight", v_and_down, hidden, intermediate)
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--params", choices=sorted(SHAPES), default="1B")
+    parser.add_argument("--type", choices=sorted(MIXES), default="Q4_K_M")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    begin = time.perf_counter()
+    write(args.out, args.params, args.type, args.seed)
+    print(f"wrote {args.out}: {os.path.getsize(args.out) / 1e6:.0f} MB in {time.perf_counter() - begin:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
