@@ -129,8 +129,8 @@ class _Layer:
         self.o = Linear([names["self_attn.o_proj"]], [attn.o_proj], blocks, kernels)
         self.gate_up = Linear([names["mlp.gate_proj"], names["mlp.up_proj"]], [mlp.gate_proj, mlp.up_proj], blocks, kernels)
         self.down = Linear([names["mlp.down_proj"]], [mlp.down_proj], blocks, kernels)
-        self.input_norm = layer.input_layernorm.weight.detach()
-        self.post_norm = layer.post_attention_layernorm.weight.detach()
+        self.input_norm = layer.input_layernorm.weight.detach().contiguous()  # read in place by the kernels
+        self.post_norm = layer.post_attention_layernorm.weight.detach().contiguous()
 
 
 class _Route:
@@ -253,14 +253,9 @@ class LlamaForward:
 
     def _describe(self, config: Any) -> ModelDesc:
         """The kernel library's view of the model; its pointers stay valid while self lives."""
-        def norm(t: torch.Tensor) -> int:
-            return t.contiguous().data_ptr()
-
-        for layer in self.layers:  # the kernels read the norms in place
-            layer.input_norm, layer.post_norm = layer.input_norm.contiguous(), layer.post_norm.contiguous()
         self._layer_descs = (LayerDesc * self.num_layers)(*[
             LayerDesc(layer.qkv.mat(), layer.o.mat(), layer.gate_up.mat(), layer.down.mat(),
-                      norm(layer.input_norm), norm(layer.post_norm))
+                      layer.input_norm.data_ptr(), layer.post_norm.data_ptr())
             for layer in self.layers
         ])
         return ModelDesc(
