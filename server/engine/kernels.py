@@ -234,21 +234,26 @@ def _load(isa: str) -> Kernels:
 
 
 def kernels(isa: str | None = None) -> Kernels | None:
-    """The kernel set ``isa``, or by default the best this CPU runs (``PARROT_KERNELS`` to pick
-    one); None, with the reason logged, when kernels are off or cannot be built."""
+    """The kernel set ``isa``, or by default the best this CPU runs and this compiler builds
+    (``PARROT_KERNELS`` to pick one); None, with the reason logged, when kernels are off or none
+    can be built."""
     if isa is None:
         chosen = os.environ.get("PARROT_KERNELS", "")
         if chosen == "0":
             _log_once("compiled kernels disabled by PARROT_KERNELS=0 (float32 weights, SDPA attention)")
             return None
-        isa = chosen or available_isas()[0]
-    if isa not in available_isas():
-        raise ValueError(f"kernel set {isa!r} is not one this CPU runs ({', '.join(available_isas())})")
-    try:
-        return _load(isa)
-    except (OSError, RuntimeError) as exc:  # no compiler, a failed build, ...: fall back, and say so
-        _log_once(f"could not build the {isa} kernels ({exc}); using float32 weights and SDPA attention")
-        return None
+        candidates = [chosen] if chosen else available_isas()
+    else:
+        candidates = [isa]
+    for candidate in candidates:
+        if candidate not in available_isas():
+            raise ValueError(f"kernel set {candidate!r} is not one this CPU runs ({', '.join(available_isas())})")
+        try:
+            return _load(candidate)
+        except (OSError, RuntimeError) as exc:  # no compiler, a failed build, ...: say so, try the next
+            _log_once(f"could not build the {candidate} kernels ({exc})")
+    _log_once("no compiled kernels: using float32 weights and SDPA attention")
+    return None
 
 
 @lru_cache(maxsize=None)
