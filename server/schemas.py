@@ -3,7 +3,7 @@
 Unknown fields are rejected (``extra="forbid"``): a parameter Parrot does not know gets a 400
 that names it, never silent ignoring. OpenAI parameters Parrot knows but does not implement are
 accepted by the schema only to be rejected by ``unsupported()`` with a clearer message, unless
-they carry their neutral value (``presence_penalty: 0``, ``tools: []``, ...).
+they carry their neutral value (``tools: []``, ``store: false``, ...).
 
 ``max_tokens``: every request's ``token_limit`` is the one place that gives its default, and
 returns None for "no limit but the context window" (which ``check_context`` in
@@ -87,9 +87,6 @@ class Prediction(_Strict):
 
 # OpenAI parameters Parrot does not implement, with the value that means "not used".
 _NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": {},
     "tools": [],
     "tool_choice": "none",
     "functions": [],
@@ -129,11 +126,34 @@ class _GenerationFields(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # Known OpenAI parameters that Parrot does not implement (see _NEUTRAL).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # Penalties (OpenAI's, and vLLM's repetition_penalty) and logit_bias: see SamplingParams.
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
+    # Known OpenAI parameters that Parrot does not implement (see _NEUTRAL).
     service_tier: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Token ids (as strings, as JSON keys must be) to biases in [-100, 100], as OpenAI
+        takes them; whether each id is in the vocabulary is checked against the model."""
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"invalid key {key!r}: logit_bias keys are token ids, like \"1234\"")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {key} is {bias:g}; biases must be in [-100, 100]")
+        return value
+
+    def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token, bias) pairs; 400 for a token id outside the vocabulary."""
+        pairs = tuple((int(key), bias) for key, bias in (self.logit_bias or {}).items())
+        for token, _ in pairs:
+            if token >= vocab_size:
+                raise APIError(400, f"logit_bias names token {token}, outside the vocabulary (0..{vocab_size - 1})",
+                               param="logit_bias", code="invalid_value")
+        return pairs
 
     @field_validator("stop")
     @classmethod

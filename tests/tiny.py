@@ -22,12 +22,24 @@ EOS = 0
 
 
 class TinyTokenizer:
-    """Token i decodes to letters: 1..26 -> 'a'..'z', others -> '<i>'; EOS (0) decodes to ''."""
+    """Token i decodes to letters: 1..26 -> 'a'..'z', others -> '<i>'; EOS (0) decodes to ''.
+    Encoding reads letters only (enough for the HTTP routes to run on the tiny model), and a
+    chat is its messages' contents, one after the other."""
 
     eos_token_ids = frozenset({EOS})
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
+        self.hf = self  # the routes ask ``tokenizer.hf`` for token strings (logprobs)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) - ord("a") + 1 for ch in text if "a" <= ch <= "z"]
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return [t for m in messages for t in self.encode(m["content"])]
+
+    def convert_ids_to_tokens(self, token: int) -> str:
+        return self.piece(token)
 
     def piece(self, token: int) -> str:
         if token == EOS:

@@ -87,7 +87,7 @@ class Generation:
         self.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else engine.tokenizer.eos_token_ids
         )
-        self.sampler = Sampler(params)
+        self.sampler = Sampler(params, prompt_ids=request.prompt_ids)
         self.text = TextAssembler(engine.tokenizer, params.stop)
         self.acceptance = AcceptanceStats()
         self.stats = SequenceStats(prompt_tokens=len(request.prompt_ids), started_at=time.perf_counter())

@@ -13,11 +13,16 @@ seeded request produce the same tokens whether or not it drafts, and however man
 drafts: position t always draws y_t from p_t with the same random numbers.
 
 Target distribution p: logits / temperature, then top-k, then top-p (nucleus), then min-p, as
-vLLM and transformers apply them.
+vLLM and transformers apply them. Before that, in vLLM's order, ``Penalties`` adjust the logits
+by the text so far: ``logit_bias``, then the repetition penalty (prompt and output), then the
+frequency and presence penalties (output only). Verified position i of a pass sees the output
+before the pass plus the drafts before i, so a penalised request too gives the same tokens with
+drafting on or off.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,10 +46,24 @@ class SamplingParams:
     stop_token_ids: tuple[TokenId, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob and the top n
+    # OpenAI: minus presence_penalty for a token in the output so far, minus frequency_penalty
+    # times its count there.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM: the logit of a token in the prompt or the output, divided by this if positive, else
+    # multiplied by it (> 1 discourages repeats).
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[TokenId, float], ...] = ()  # (token, bias): added to its logit
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError("repetition_penalty must be > 0")
+        if any(token < 0 or not -100 <= bias <= 100 for token, bias in self.logit_bias):
+            raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -59,6 +78,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether logits depend on more than the model: a penalty or a logit bias is set."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
 
 
 def _mix(seed: int, position: int) -> int:
@@ -91,16 +115,74 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+class Penalties:
+    """The logit adjustments that depend on the text so far, for one sequence, in vLLM's order:
+    ``logit_bias``; the repetition penalty over tokens of the prompt or the output; then the
+    frequency and presence penalties over the output's token counts.
+
+    Counts are kept incrementally: the output only grows, so each call counts the tokens added
+    since the last one.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[TokenId]) -> None:
+        self.params = params
+        self.prompt_ids = prompt_ids
+        self.counted = 0  # output tokens already in output_counts
+        self.output_counts: torch.Tensor | None = None  # [vocab] float32, made at the first call
+        self.in_prompt: torch.Tensor | None = None  # [vocab] bool
+        self.bias: torch.Tensor | None = None  # [vocab] float32
+
+    def _start(self, vocab: int) -> None:
+        self.output_counts = torch.zeros(vocab)
+        if self.params.repetition_penalty != 1:
+            self.in_prompt = torch.bincount(torch.tensor(list(self.prompt_ids), dtype=torch.long), minlength=vocab)[:vocab] > 0
+        if self.params.logit_bias:
+            self.bias = torch.zeros(vocab)
+            tokens, biases = zip(*self.params.logit_bias)
+            self.bias[torch.tensor(tokens)] = torch.tensor(biases, dtype=torch.float32)
+
+    def apply(self, logits: torch.Tensor, output_before: Sequence[TokenId], draft_tokens: Sequence[TokenId]) -> torch.Tensor:
+        """``logits`` ``[len(draft) + 1, vocab]`` adjusted at each position i for the output
+        ``output_before + draft_tokens[:i]``."""
+        if self.output_counts is None:
+            self._start(logits.shape[-1])
+        assert self.output_counts is not None
+        new = list(output_before[self.counted :])
+        if new:
+            self.output_counts.index_add_(0, torch.tensor(new), torch.ones(len(new)))
+            self.counted = len(output_before)
+        counts = self.output_counts.repeat(len(draft_tokens) + 1, 1)  # [positions, vocab]
+        for i, token in enumerate(draft_tokens):
+            counts[i + 1 :, token] += 1  # position i + 1 on sees draft i as output
+        params = self.params
+        if self.bias is not None:
+            logits = logits + self.bias
+        if params.repetition_penalty != 1:
+            seen = counts > 0
+            if self.in_prompt is not None:
+                seen |= self.in_prompt
+            penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+            logits = torch.where(seen, penalised, logits)
+        if params.frequency_penalty:
+            logits = logits - params.frequency_penalty * counts
+        if params.presence_penalty:
+            logits = logits - params.presence_penalty * (counts > 0).float()
+        return logits
+
+
 @dataclass
 class Sampler:
-    """Draws tokens for one request with randomness keyed by output position."""
+    """Draws tokens for one request with randomness keyed by output position. ``prompt_ids``
+    matter only to the repetition penalty."""
 
     params: SamplingParams
     seed: int = field(default=-1)
+    prompt_ids: Sequence[TokenId] = ()
 
     def __post_init__(self) -> None:
         if self.seed < 0:
             self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
+        self.penalties = Penalties(self.params, self.prompt_ids) if self.params.penalised else None
 
     def sample(self, logits: torch.Tensor, position: int) -> TokenId:
         """One token from p(. | logits) using the random numbers of output ``position``."""
@@ -121,8 +203,8 @@ class Sampler:
 
         ``output_before``: the output tokens before the first verified position, so the tokens
         before position i are ``output_before + draft_tokens[:i]``, at output position
-        ``len(output_before) + i`` (which keys its random numbers). A sampler whose distribution
-        depends on the output so far (presence or frequency penalties) reads it from there.
+        ``len(output_before) + i`` (which keys its random numbers). Penalties read the output
+        so far from there; ``output_before`` only grows from one call to the next.
 
         Returns (tokens to emit, number of drafts accepted): the accepted drafts followed by the
         recovered token (first rejection) or the bonus token (all accepted). ``allowed`` (bool,
@@ -133,6 +215,8 @@ class Sampler:
         first_position = len(output_before)
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))
+        if self.penalties is not None:
+            logits = self.penalties.apply(logits, output_before, draft_tokens)
         if self.params.greedy:
             targets = logits.argmax(dim=-1).tolist()
             num_accepted = 0

@@ -64,7 +64,8 @@ async def list_models(request: Request) -> dict[str, Any]:
     }
 
 
-def sampling_params(req: _GenerationFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: _GenerationFields, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    logit_bias = req.logit_bias_pairs(vocab_size)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -76,6 +77,10 @@ def sampling_params(req: _GenerationFields, max_tokens: int, logprobs: int | Non
             stop=req.stop_list(),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias,
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from None
@@ -262,7 +267,9 @@ async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: C
     kept = [_truncate(ids, body) for ids in prompts]
     prompt_tokens = sum(len(ids) for ids in kept)
     truncation = _truncation(body, sum(len(ids) for ids in prompts), prompt_tokens)
-    params = [sampling_params(body, check_context(loaded, len(ids), body.token_limit(), param), logprobs) for ids in kept]
+    vocab_size = loaded.forward.vocab_size
+    params = [sampling_params(body, check_context(loaded, len(ids), body.token_limit(), param), logprobs, vocab_size)
+              for ids in kept]
     prediction = loaded.tokenizer.encode(body.prediction.text()) if body.prediction is not None else None
     spec = speculation_params(body.speculation)
     grammar = await compile_constraint(state, body)
