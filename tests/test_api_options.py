@@ -71,3 +71,22 @@ def test_bad_sampling_options_get_openai_shaped_400s(url, path, options, param):
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert error["message"]
+
+
+def test_seeded_choices_differ_and_each_reproduces_with_and_without_drafting(url):
+    body = {"messages": [{"role": "user", "content": "cabcabca"}], "temperature": 1.0, "max_tokens": 16,
+            "ignore_eos": True, "n": 3, "seed": 11}
+
+    def texts(**extra):
+        r = _post(url, "/v1/chat/completions", {**body, **extra})
+        assert r.status_code == 200, r.text
+        return [c["message"]["content"] for c in r.json()["choices"]], r.json()["usage"]["speculation"]
+
+    first, _ = texts()
+    assert len(set(first)) == 3
+    again, spec = texts()
+    assert again == first and spec["drafted_tokens"] > 0
+    off, spec = texts(speculation={"enabled": False})
+    assert off == first and spec["drafted_tokens"] == 0
+    other, _ = texts(seed=12)
+    assert other != first

@@ -4,6 +4,7 @@ interfaces that backends, drafters, draft sizers and the scheduler's clients plu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 import random
@@ -280,6 +281,23 @@ def test_seeded_sampling_reproduces_and_does_not_depend_on_drafting():
     assert c.stats.accepted_tokens > 10
     other = _generate(engine, prompt, SamplingParams(**{**params.__dict__, "seed": 99}), spec=False)
     assert other.token_ids != a.token_ids
+
+
+def test_seeded_choices_differ_and_each_reproduces_independently_of_drafting():
+    """The n choices of one seeded request: choice j draws with randomness keyed by (seed, j,
+    position), so the choices differ, and each one is the same again, with or without drafts."""
+    engine = tiny_engine("native", FORCED)
+    prompt = _prompt(4)
+    base = SamplingParams(max_tokens=32, temperature=0.8, seed=7, ignore_eos=True)
+    choices = [_generate(engine, prompt, dataclasses.replace(base, choice=j), spec=False).token_ids for j in range(4)]
+    assert len({tuple(c) for c in choices}) == 4
+    assert choices[0] == _generate(engine, prompt, base, spec=False).token_ids  # choice 0: the seed's own stream
+    accepted = 0
+    for j, plain in enumerate(choices):
+        again = _generate(engine, prompt, dataclasses.replace(base, choice=j), context=[_corrupt(plain, 4)])
+        assert again.token_ids == plain
+        accepted += again.stats.accepted_tokens
+    assert accepted > 20  # drafts were made and accepted
 
 
 def test_prompt_too_long_for_context_window_is_an_error():

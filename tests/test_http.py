@@ -101,7 +101,9 @@ def test_n_choices_and_seeded_sampling(client):
     a = _chat(client, messages=QUESTION, temperature=1.0, max_tokens=16, seed=7)
     b = _chat(client, messages=QUESTION, temperature=1.0, max_tokens=16, seed=7)
     c = _chat(client, messages=QUESTION, temperature=1.0, max_tokens=16, seed=8, n=3)
+    d = _chat(client, messages=QUESTION, temperature=1.0, max_tokens=16, seed=8, n=3)
     assert a.choices[0].message.content == b.choices[0].message.content
+    assert [x.message.content for x in d.choices] == [x.message.content for x in c.choices]
     texts = {x.message.content for x in c.choices} | {a.choices[0].message.content}
     assert len(texts) > 1
 

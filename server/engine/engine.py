@@ -13,7 +13,7 @@
    ``StepOutput`` per sequence, which is all that leaves the engine thread.
 
 A request's output does not depend on drafting: greedy output is the argmax chain either way,
-and sampling draws position t's token with randomness keyed by (seed, t).
+and sampling draws position t's token with randomness keyed by (seed, choice, t).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ implement it as *sample and compare*, which is the same thing: draw y ~ p at the
 accept the draft iff y == x. P(accept) = p(x), and given rejection y is distributed as
 p(. | y != x), the residual. Drawing y with randomness keyed by (seed, output position) makes a
 seeded request produce the same tokens whether or not it drafts, and however many tokens it
-drafts: position t always draws y_t from p_t with the same random numbers.
+drafts: position t always draws y_t from p_t with the same random numbers. The n choices of one
+request share its seed, so the key includes the choice's index: (seed, choice, position).
 
 Target distribution p: logits / temperature, then top-k, then top-p (nucleus), then min-p, as
 vLLM and transformers apply them. Before that, in vLLM's order, ``Penalties`` adjust the logits
@@ -54,6 +55,7 @@ class SamplingParams:
     # multiplied by it (> 1 discourages repeats).
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[TokenId, float], ...] = ()  # (token, bias): added to its logit
+    choice: int = 0  # which of a request's n choices this is: keys the random numbers with the seed
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -72,6 +74,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if not 0 <= self.min_p <= 1:
             raise ValueError("min_p must be in [0, 1]")
+        if self.choice < 0:
+            raise ValueError("choice must be >= 0")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 
@@ -91,6 +95,12 @@ def _mix(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def random_stream(seed: int, choice: int) -> int:
+    """The generator seed of choice ``choice`` of a request seeded with ``seed``: the seed itself
+    for choice 0 (a request's first choice does not depend on n), a mix of both for the others."""
+    return seed if choice == 0 else _mix(seed, -choice)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -181,7 +191,8 @@ class Sampler:
 
     def __post_init__(self) -> None:
         if self.seed < 0:
-            self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
+            seed = self.params.seed
+            self.seed = random_stream(seed, self.params.choice) if seed is not None else secrets.randbits(63)
         self.penalties = Penalties(self.params, self.prompt_ids) if self.params.penalised else None
 
     def sample(self, logits: torch.Tensor, position: int) -> TokenId:

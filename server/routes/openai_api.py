@@ -13,6 +13,7 @@ request set ``truncate_prompt_tokens``: in the response, or in the usage chunk o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from abc import ABC, abstractmethod
@@ -273,10 +274,12 @@ async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: C
     prediction = loaded.tokenizer.encode(body.prediction.text()) if body.prediction is not None else None
     spec = speculation_params(body.speculation)
     grammar = await compile_constraint(state, body)
+    # Choice j of each prompt draws its own random numbers (with a seed: keyed by the seed and j).
     requests = [
-        GenerationRequest(ids, prompt_params, spec, [prediction] if prediction else [], grammar_state(state, grammar, spec))
+        GenerationRequest(ids, dataclasses.replace(prompt_params, choice=j), spec, [prediction] if prediction else [],
+                          grammar_state(state, grammar, spec))
         for ids, prompt_params in zip(kept, params)
-        for _ in range(body.n)
+        for j in range(body.n)
     ]
     response_id, created = new_id(fmt.id_prefix), int(time.time())
 
