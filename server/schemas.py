@@ -8,7 +8,8 @@ they carry their neutral value (``tools: []``, ``store: false``, ...).
 ``max_tokens``: every request's ``token_limit`` is the one place that gives its default, and
 returns None for "no limit but the context window" (which ``check_context`` in
 :mod:`server.routes.generation` turns into the room left after the prompt). Left out, it is 16
-for /v1/completions (OpenAI's default; an explicit null there means no limit), no limit for
+for /v1/completions (OpenAI's default; an explicit null there means no limit, and 0, with
+``echo``, the prompt only), no limit for
 /v1/chat/completions (OpenAI's), 256 for /v1/summarize, and room for a copy of the text for
 /v1/correct.
 """
@@ -97,7 +98,6 @@ _NEUTRAL: dict[str, Any] = {
     "reasoning_effort": None,
     "web_search_options": None,
     "store": False,
-    "echo": False,
     "suffix": None,
     "service_tier": None,
 }
@@ -131,6 +131,8 @@ class _GenerationFields(_Strict):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
+    # vLLM: the logprob and rank of each prompt token after the first, and the top k there.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Known OpenAI parameters that Parrot does not implement (see _NEUTRAL).
     service_tier: str | None = None
 
@@ -204,11 +206,14 @@ class _GenerationFields(_Strict):
             if value is None or value == neutral or (isinstance(value, (list, dict)) and not value):
                 continue
             raise APIError(400, f"Parrot does not support '{name}'", param=name, code="unsupported_parameter")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "'prompt_logprobs' is not available when streaming (as in vLLM)", param="prompt_logprobs",
+                           code="invalid_value")
 
 
 class CompletionRequest(_GenerationFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0 only with echo: see unsupported()
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
@@ -222,6 +227,10 @@ class CompletionRequest(_GenerationFields):
         super().unsupported()
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "Parrot does not support 'best_of' other than n", param="best_of", code="unsupported_parameter")
+        if self.max_tokens == 0 and not self.echo:
+            # As vLLM: 0 is for scoring a prompt (echo with logprobs), and generates nothing.
+            raise APIError(400, "'max_tokens' must be at least 1, or 0 with 'echo': true (the prompt only)",
+                           param="max_tokens", code="invalid_value")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: a string, token ids, or a batch of either."""

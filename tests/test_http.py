@@ -185,7 +185,7 @@ BAD_REQUESTS = [
     ("/v1/correct", b'{"text": "\\ud83d"}', 400, "invalid_request_error", "text"),
     ("/v1/completions", {"prompt": []}, 400, "invalid_request_error", "prompt"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "invalid_request_error", "logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "invalid_request_error", "echo"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),  # 0 needs echo
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "invalid_request_error", "best_of"),
     ("/v1/summarize", {"text": ""}, 400, "invalid_request_error", "text"),
     ("/v1/summarize", {"text": "abc", "style": "poem"}, 400, "invalid_request_error", "style"),

@@ -2,9 +2,10 @@
 
 ``Engine.step(sequences)`` advances every running sequence by one forward pass:
 
-1. plan: a sequence still prefilling feeds its next prompt chunk; otherwise it feeds the token
-   not yet in its KV cache (``pending``), the tokens its grammar forces, and a draft from its
-   drafter, cut to the length the draft sizer says pays off in this pass;
+1. plan: a sequence still prefilling feeds its next prompt chunk (asking for the logits at its
+   tokens when the request wants prompt logprobs); otherwise it feeds the token not yet in its
+   KV cache (``pending``), the tokens its grammar forces, and a draft from its drafter, cut to
+   the length the draft sizer says pays off in this pass;
 2. one forward pass over all sequences' tokens (the KV caches grow by what was fed);
 3. accept: the verification rule keeps a prefix of the draft plus one token of the model's own
    (recovered or bonus), see ``sampling.py``; the KV cache is cropped back to what was accepted;
@@ -68,6 +69,7 @@ class _Plan:
     bucket: int
     forced: list[TokenId] = field(default_factory=list)
     masks: list[bytes] | None = None  # grammar bitmask at each verified position
+    prompt_rows: int = 0  # logits before those, at prompt tokens, for prompt logprobs
 
 
 class Generation:
@@ -84,6 +86,7 @@ class Generation:
         self.pending: list[TokenId] = list(request.prompt_ids)
         self.output_ids: list[TokenId] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
         self.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else engine.tokenizer.eos_token_ids
         )
@@ -183,6 +186,9 @@ class Engine:
         now = time.perf_counter()
         outputs: dict[int, StepOutput] = {}
         for seq, plan, seq_logits in zip(running, plans, logits):
+            if plan.prompt_rows:
+                self._prompt_logprobs(seq, seq_logits[: plan.prompt_rows])
+                seq_logits = seq_logits[plan.prompt_rows :]
             if plan.num_logits == 0:  # a prompt chunk: nothing to accept yet
                 seq.pending = seq.pending[len(plan.tokens) :]
                 seq.stats.prefill_chunks += 1
@@ -206,8 +212,11 @@ class Engine:
 
     def _plan_one(self, seq: Generation, chunk: int) -> _Plan:
         """What ``seq`` feeds this step, with its longest possible draft (sized later)."""
+        # Prompt logprobs need the logits at every prompt token but the last (whose logits are
+        # those of the first output token, as always).
+        reading_prompt = seq.prompt_logprobs is not None and seq.cache.length < len(seq.request.prompt_ids)
         if len(seq.pending) > chunk:
-            return _Plan(seq.pending[:chunk], 0, [], 0)
+            return _Plan(seq.pending[:chunk], 0, [], 0, prompt_rows=chunk if reading_prompt else 0)
         room = seq.params.max_tokens - len(seq.output_ids)
         forced: list[TokenId] = []
         if seq.grammar is not None:
@@ -220,7 +229,8 @@ class Engine:
             draft = draft[: seq.grammar.validate(draft)]  # the longest prefix the grammar allows
             if not draft:
                 draft, bucket = self._spell_forced(seq, seq.grammar, forced, budget)
-        return _Plan(seq.pending + forced, len(forced) + 1, draft, bucket, forced)
+        prompt_rows = len(seq.pending) - 1 if reading_prompt else 0
+        return _Plan(seq.pending + forced, len(forced) + 1, draft, bucket, forced, prompt_rows=prompt_rows)
 
     def _propose(self, seq: Generation, forced: list[TokenId], budget: int) -> tuple[list[TokenId], int]:
         """The drafter's draft after the forced tokens (the pass itself yields one more), and its bucket."""
@@ -288,10 +298,11 @@ class Engine:
         for seq, length in zip(running, cached):
             # Every token of the sequence is in its cache except the pending ones.
             assert length + len(seq.pending) == len(seq.request.prompt_ids) + len(seq.output_ids)
-        logits = self.forward.forward([(s.cache, p.tokens, p.num_logits) for s, p in zip(running, plans)])
+        logits = self.forward.forward([(s.cache, p.tokens, p.prompt_rows + p.num_logits) for s, p in zip(running, plans)])
         assert len(logits) == len(plans)
         for seq, plan, rows, before in zip(running, plans, logits, cached):
-            assert tuple(rows.shape) == (plan.num_logits, self.forward.vocab_size), (tuple(rows.shape), plan.num_logits)
+            expected = (plan.prompt_rows + plan.num_logits, self.forward.vocab_size)
+            assert tuple(rows.shape) == expected, (tuple(rows.shape), expected)
             assert seq.cache.length == before + len(plan.tokens)
         return logits
 
@@ -360,6 +371,7 @@ class Engine:
         """Append the tokens to the output (and logprobs, drafter, stats); end the sequence or
         leave its last token pending."""
         logprobs = self._logprobs(seq, logits, tokens)
+        prompt_logprobs = seq.prompt_logprobs if seq.stats.first_token_at is None else None
         seq.output_ids.extend(tokens)
         seq.stats.output_tokens = len(seq.output_ids)
         if seq.stats.first_token_at is None:
@@ -371,7 +383,26 @@ class Engine:
             seq.pending = [tokens[-1]]
             if seq.drafter is not None:
                 seq.drafter.extend(tokens)
-        return StepOutput(tokens, text, logprobs, finish, seq.stats.snapshot())
+        return StepOutput(tokens, text, logprobs, finish, seq.stats.snapshot(), prompt_logprobs)
+
+    def _prompt_logprobs(self, seq: Generation, logits: torch.Tensor) -> None:
+        """Record the logprobs of the prompt tokens that ``logits`` ``[rows, vocab]`` predict: the
+        rows are at the first ``rows`` pending prompt tokens, so row i predicts the token after
+        pending token i. Each entry has the token's rank and the top ``prompt_logprobs`` tokens."""
+        assert seq.prompt_logprobs is not None
+        prompt = seq.request.prompt_ids
+        start = len(prompt) - len(seq.pending) + 1  # the prompt index row 0 predicts
+        targets = torch.tensor(prompt[start : start + logits.shape[0]])
+        logp = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
+        chosen = logp.gather(1, targets[:, None])  # [rows, 1]
+        ranks = ((logp > chosen).sum(-1) + 1).tolist()
+        top_n = seq.params.prompt_logprobs or 0
+        top_values, top_ids = logp.topk(top_n, dim=-1) if top_n else (logp[:, :0], logp[:, :0].long())
+        seq.prompt_logprobs.extend(
+            TokenLogprob(token, lp, list(zip(ids, values)), rank)
+            for token, lp, ids, values, rank in zip(targets.tolist(), chosen[:, 0].tolist(), top_ids.tolist(),
+                                                    top_values.tolist(), ranks)
+        )
 
     def _logprobs(self, seq: Generation, logits: torch.Tensor, tokens: list[TokenId]) -> list[TokenLogprob] | None:
         if seq.logprobs is None or not tokens:
@@ -405,6 +436,7 @@ class Engine:
             finish_reason=seq.finish_reason or "error",
             stats=seq.stats.snapshot(),
             logprobs=seq.logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
 

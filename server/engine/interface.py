@@ -45,6 +45,7 @@ class TokenLogprob:
     token: TokenId
     logprob: float
     top: list[tuple[TokenId, float]]
+    rank: int | None = None  # of ``token`` among all tokens, from 1 (given for prompt tokens)
 
 
 # The speculation counters of ``SequenceStats`` and what each counts: the one list behind the
@@ -98,6 +99,8 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None
     finish_reason: FinishReason | None  # None: the sequence goes on
     stats: SequenceStats  # a snapshot, taken after this step
+    # With ``prompt_logprobs``, in the first output only: the prompt's tokens after the first.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -111,3 +114,4 @@ class GenerationResult:
     finish_reason: FinishReason
     stats: SequenceStats  # a snapshot, taken at the end
     logprobs: list[TokenLogprob] | None
+    prompt_logprobs: list[TokenLogprob] | None = None

@@ -37,7 +37,7 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 256
+    max_tokens: int = 256  # 0: read the prompt only (for its prompt logprobs)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -47,6 +47,7 @@ class SamplingParams:
     stop_token_ids: tuple[TokenId, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob and the top n
+    prompt_logprobs: int | None = None  # None: off; n >= 0: each prompt token's (but the first) and the top n
     # OpenAI: minus presence_penalty for a token in the output so far, minus frequency_penalty
     # times its count there.
     presence_penalty: float = 0.0
@@ -58,8 +59,8 @@ class SamplingParams:
     choice: int = 0  # which of a request's n choices this is: keys the random numbers with the seed
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
         if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if not 0 < self.repetition_penalty < math.inf:

@@ -90,6 +90,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     handle: RequestHandle | None = None
 
@@ -214,6 +215,8 @@ def add_output(choice: Choice, out: StepOutput) -> None:
     choice.token_ids.extend(out.token_ids)
     if out.logprobs:
         choice.logprobs.extend(out.logprobs)
+    if out.prompt_logprobs is not None:
+        choice.prompt_logprobs = out.prompt_logprobs
     if out.finished:
         choice.finish_reason = out.finish_reason if out.finish_reason in ("stop", "length") else "stop"
 

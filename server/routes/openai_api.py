@@ -65,7 +65,8 @@ async def list_models(request: Request) -> dict[str, Any]:
     }
 
 
-def sampling_params(req: _GenerationFields, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+def sampling_params(req: _GenerationFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                    vocab_size: int) -> SamplingParams:
     logit_bias = req.logit_bias_pairs(vocab_size)
     try:
         return SamplingParams(
@@ -78,6 +79,7 @@ def sampling_params(req: _GenerationFields, max_tokens: int, logprobs: int | Non
             stop=req.stop_list(),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -133,17 +135,40 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict[str
     return {"content": content}
 
 
-def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], start_offset: int = 0) -> dict[str, Any]:
+def _token_text(tokenizer: Tokenizer, token: int) -> str:
+    return token_bytes(tokenizer, token).decode("utf-8", errors="replace")
+
+
+def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], start_offset: int = 0,
+                        first_token: int | None = None) -> dict[str, Any]:
+    """OpenAI's legacy logprobs. ``first_token``: an echoed prompt's first token, which nothing
+    predicts: it opens the lists with a null logprob and null top logprobs."""
+    rows: list[tuple[int, float | None, list[tuple[int, float]] | None]] = [(e.token, e.logprob, e.top) for e in entries]
+    if first_token is not None:
+        rows.insert(0, (first_token, None, None))
     tokens, token_logprobs, top, offsets = [], [], [], []
     offset = start_offset
-    for e in entries:
-        text = token_bytes(tokenizer, e.token).decode("utf-8", errors="replace")
+    for token, logprob, top_pairs in rows:
+        text = _token_text(tokenizer, token)
         tokens.append(text)
-        token_logprobs.append(e.logprob)
-        top.append({token_bytes(tokenizer, t).decode("utf-8", errors="replace"): lp for t, lp in e.top})
+        token_logprobs.append(logprob)
+        top.append(None if top_pairs is None else {_token_text(tokenizer, t): lp for t, lp in top_pairs})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], top_n: int) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then for each later one a map
+    from token id (a string) to ``{"logprob", "rank", "decoded_token"}`` holding the top
+    ``top_n`` tokens and the prompt's own token (so ``top_n`` or ``top_n + 1`` entries)."""
+    result: list[dict[str, Any] | None] = [None]
+    for e in entries:
+        item = {str(t): {"logprob": lp, "rank": rank, "decoded_token": _token_text(tokenizer, t)}
+                for rank, (t, lp) in enumerate(e.top[:top_n], 1)}
+        item[str(e.token)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": _token_text(tokenizer, e.token)}
+        result.append(item)
+    return result
 
 
 # -- the two endpoints' shapes ------------------------------------------------------------------
@@ -157,38 +182,70 @@ class _Format(ABC):
     response_object: str
     chunk_object: str
 
-    def __init__(self, tokenizer: Tokenizer, logprobs: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, logprobs: bool, prompt_logprobs: int | None) -> None:
         self.tokenizer = tokenizer
         self.logprobs = logprobs  # whether choices carry logprobs
+        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs: the top n at each prompt token
+        self.prompts: list[list[int]] = []  # the prompt token ids of each choice, by index
 
     def opening(self, choice: Choice) -> dict[str, Any] | None:
         """The chunk that opens a streamed choice, if the endpoint sends one."""
         return None
+
+    def extra(self, choices: list[Choice]) -> dict[str, Any]:
+        """Top-level fields of a (non-streamed) response beyond choices and usage."""
+        return {}
 
     @abstractmethod
     def choice(self, choice: Choice) -> dict[str, Any]:
         """A finished choice of a response."""
 
     @abstractmethod
-    def delta(self, choice: Choice, out: StepOutput) -> dict[str, Any]:
-        """One engine output of a choice, as a streamed chunk's choice."""
+    def delta(self, choice: Choice, out: StepOutput) -> dict[str, Any] | None:
+        """One engine output of a choice, as a streamed chunk's choice (None: nothing to send)."""
 
 
 class _Completions(_Format):
+    """Choices of /v1/completions. With ``echo``, a choice's text starts with its prompt, and its
+    logprobs with the prompt's (the first token's null); streamed, both come in its first chunk."""
+
     path = "/v1/completions"
     id_prefix = "cmpl"
     response_object = chunk_object = "text_completion"
 
-    def choice(self, choice: Choice) -> dict[str, Any]:
-        return {"index": choice.index, "text": choice.text, "logprobs": self._logprobs(choice.logprobs),
-                "finish_reason": choice.finish_reason}
+    def __init__(self, tokenizer: Tokenizer, logprobs: int | None, prompt_logprobs: int | None, echo: bool) -> None:
+        super().__init__(tokenizer, logprobs is not None, prompt_logprobs)
+        self.top_logprobs = logprobs or 0
+        self.echo = echo
+        self.started: set[int] = set()  # indices of the streamed choices whose first chunk was sent
 
-    def delta(self, choice: Choice, out: StepOutput) -> dict[str, Any]:
-        return {"index": choice.index, "text": out.text, "logprobs": self._logprobs(out.logprobs or []),
+    def choice(self, choice: Choice) -> dict[str, Any]:
+        body = {"index": choice.index, "text": self._echo_text(choice, self.echo) + choice.text,
+                "logprobs": self._logprobs(choice, choice.logprobs, self.echo), "finish_reason": choice.finish_reason}
+        if self.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, choice.prompt_logprobs or [], self.prompt_logprobs)
+        return body
+
+    def delta(self, choice: Choice, out: StepOutput) -> dict[str, Any] | None:
+        echo = self.echo and choice.index not in self.started
+        if not (out.text or out.finished or echo):
+            return None
+        self.started.add(choice.index)
+        return {"index": choice.index, "text": self._echo_text(choice, echo) + out.text,
+                "logprobs": self._logprobs(choice, out.logprobs or [], echo),
                 "finish_reason": choice.finish_reason if out.finished else None}
 
-    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
-        return completion_logprobs(self.tokenizer, entries) if self.logprobs else None
+    def _echo_text(self, choice: Choice, echo: bool) -> str:
+        return self.tokenizer.decode(self.prompts[choice.index], skip_special_tokens=False) if echo else ""
+
+    def _logprobs(self, choice: Choice, entries: list[TokenLogprob], echo: bool) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        if not echo:
+            return completion_logprobs(self.tokenizer, entries)
+        # The engine computed the prompt's top logprobs for the larger of logprobs and prompt_logprobs.
+        prompt = [TokenLogprob(e.token, e.logprob, e.top[: self.top_logprobs]) for e in choice.prompt_logprobs or []]
+        return completion_logprobs(self.tokenizer, prompt + entries, first_token=self.prompts[choice.index][0])
 
 
 class _Chat(_Format):
@@ -205,7 +262,15 @@ class _Chat(_Format):
         return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
                 "logprobs": self._logprobs(choice.logprobs), "finish_reason": choice.finish_reason}
 
-    def delta(self, choice: Choice, out: StepOutput) -> dict[str, Any]:
+    def extra(self, choices: list[Choice]) -> dict[str, Any]:
+        if self.prompt_logprobs is None:
+            return {}
+        # vLLM's place for them in a chat response: top level (every choice has the same prompt).
+        return {"prompt_logprobs": vllm_prompt_logprobs(self.tokenizer, choices[0].prompt_logprobs or [], self.prompt_logprobs)}
+
+    def delta(self, choice: Choice, out: StepOutput) -> dict[str, Any] | None:
+        if not (out.text or out.finished):
+            return None
         return {"index": choice.index, "delta": {"content": out.text} if out.text else {},
                 "logprobs": self._logprobs(out.logprobs or []),
                 "finish_reason": choice.finish_reason if out.finished else None}
@@ -244,8 +309,10 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         prompts.append(ids)
-    fmt = _Completions(loaded.tokenizer, logprobs=body.logprobs is not None)
-    return await _serve(state, request, loaded, body, fmt, prompts, "prompt", body.logprobs)
+    # Echoed logprobs and vLLM's prompt_logprobs come from one computation, of the larger top n.
+    wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+    fmt = _Completions(loaded.tokenizer, body.logprobs, body.prompt_logprobs, body.echo)
+    return await _serve(state, request, loaded, body, fmt, prompts, "prompt", body.logprobs, max(wanted, default=None))
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -257,20 +324,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
         raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages",
                        code="invalid_value") from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    fmt = _Chat(loaded.tokenizer, logprobs=body.logprobs)
-    return await _serve(state, request, loaded, body, fmt, [ids], "messages", logprobs)
+    fmt = _Chat(loaded.tokenizer, body.logprobs, body.prompt_logprobs)
+    return await _serve(state, request, loaded, body, fmt, [ids], "messages", logprobs, body.prompt_logprobs)
 
 
 async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: CompletionRequest | ChatCompletionRequest,
-                 fmt: _Format, prompts: list[list[int]], param: str, logprobs: int | None) -> JSONResponse | StreamingResponse:
+                 fmt: _Format, prompts: list[list[int]], param: str, logprobs: int | None,
+                 prompt_logprobs: int | None) -> JSONResponse | StreamingResponse:
     """Generate ``body.n`` choices for each prompt (token ids before ``truncate_prompt_tokens``),
-    then answer in one response or as server-sent events, shaped by ``fmt``."""
+    then answer in one response or as server-sent events, shaped by ``fmt``. ``logprobs`` and
+    ``prompt_logprobs``: how many top tokens the engine reports at each output and prompt token."""
     kept = [_truncate(ids, body) for ids in prompts]
+    fmt.prompts = [ids for ids in kept for _ in range(body.n)]
     prompt_tokens = sum(len(ids) for ids in kept)
     truncation = _truncation(body, sum(len(ids) for ids in prompts), prompt_tokens)
     vocab_size = loaded.forward.vocab_size
-    params = [sampling_params(body, check_context(loaded, len(ids), body.token_limit(), param), logprobs, vocab_size)
-              for ids in kept]
+    params = [sampling_params(body, check_context(loaded, len(ids), body.token_limit(), param), logprobs,
+                              prompt_logprobs, vocab_size) for ids in kept]
     prediction = loaded.tokenizer.encode(body.prediction.text()) if body.prediction is not None else None
     spec = speculation_params(body.speculation)
     grammar = await compile_constraint(state, body)
@@ -290,7 +360,7 @@ async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: C
         choices = await collect(state, http, requests, fmt.path)
         _count_prediction(state, prediction, choices)
         return JSONResponse({**envelope(fmt.response_object), "choices": [fmt.choice(c) for c in choices],
-                             "usage": usage(prompt_tokens, choices, prediction), **truncation})
+                             "usage": usage(prompt_tokens, choices, prediction), **truncation, **fmt.extra(choices)})
 
     choices, outputs = await stream_outputs(state, requests, fmt.path)
 
@@ -303,8 +373,9 @@ async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: C
             if opening is not None:
                 yield chunk([opening])
         async for choice, out in outputs:
-            if out.text or out.finished:
-                yield chunk([fmt.delta(choice, out)])
+            delta = fmt.delta(choice, out)
+            if delta is not None:
+                yield chunk([delta])
         if body.stream_options is not None and body.stream_options.include_usage:
             _count_prediction(state, prediction, choices)
             yield chunk([], usage=usage(prompt_tokens, choices, prediction), **truncation)
