@@ -323,3 +323,17 @@ def test_a_draft_that_completes_the_grammar_ends_the_output_there(compiler):
             grammar=compiler.new_state(compiler.compile("json_schema", TWO_KEYS))))
         assert results[drafting].token_ids == output and results[drafting].finish_reason == "stop"
     assert results[True].stats.accepted_tokens >= 3 and results[True].stats.forward_passes <= 2
+
+
+def test_a_draft_never_carries_eos_past_the_end_of_the_grammar(compiler):
+    """llguidance allows EOS where the grammar may end, but a complete grammar consumes nothing
+    more: a draft that copies an answer and the EOS after it (a previous assistant turn, say)
+    stops before the EOS, and the masks of its positions can be computed."""
+    tokenizer = compiler.tokenizer
+    eos = next(iter(tokenizer.eos_token_ids))
+    answer = tokenizer.encode('{"a":"xyz","b":"uvw"}')
+    grammar = compiler.new_state(compiler.compile("json_schema", TWO_KEYS))
+    draft = answer + [eos]
+    assert grammar.validate(draft) == len(answer)
+    assert len(grammar.masks(answer)) == len(answer) + 1
+    assert grammar.validate([eos]) == 0

@@ -135,8 +135,13 @@ class Grammar:
         return tokens[: self.validate(tokens)]
 
     def validate(self, tokens: list[TokenId]) -> int:
-        """How many of ``tokens`` (a prefix) the grammar allows from the current state."""
-        return int(self.matcher.validate_tokens(tokens)) if tokens else 0
+        """How many of ``tokens`` (a prefix) the grammar allows from the current state, EOS
+        excluded: llguidance allows EOS where the grammar may end, but once the grammar is
+        complete its matcher consumes nothing more (so ``masks`` could not step over it), and the
+        output ends there anyway: the pass yields that EOS as its own token if the model wants it."""
+        allowed = int(self.matcher.validate_tokens(tokens)) if tokens else 0
+        eos = self.index.tokenizer.eos_token_ids
+        return next((i for i, token in enumerate(tokens[:allowed]) if token in eos), allowed)
 
     def consume(self, tokens: list[TokenId]) -> None:
         if tokens and self._spelling_asked is not None:
