@@ -18,6 +18,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="'embedded', a model directory, a .gguf file, or a hub id")
     parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--activations", default=None, choices=("q8", "float32"),
+                        help="block kernels' inputs: q8 (8-bit, faster; default) or float32")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config_from_args(args: argparse.Namespace) -> Config:
     overrides: dict[str, dict[str, Any]] = {
-        "model": {"source": args.model, "device": args.device, "dtype": args.dtype},
+        "model": {"source": args.model, "device": args.device, "dtype": args.dtype, "activations": args.activations},
     }
     if getattr(args, "host", None) is not None or getattr(args, "port", None) is not None:
         overrides["server"] = {"host": getattr(args, "host", None), "port": getattr(args, "port", None)}

@@ -22,10 +22,12 @@ class ModelConfig:
     dtype: str = "auto"
     backend: str = "auto"
     threads: int = 0
+    activations: str = "q8"
 
     def __post_init__(self) -> None:
         _check_choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         _check_choice("model.backend", self.backend, ("auto", "native", "hf"))
+        _check_choice("model.activations", self.activations, ("q8", "float32"))
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.threads < 0:

@@ -118,3 +118,41 @@ def test_kernels_expand_every_block_format_as_the_gguf_reference_does(isa, kind)
     w = BlockWeight(kind, data[finite].contiguous())
     expanded = kernels(isa).linear(torch.eye(k), w).T
     assert torch.equal(expanded, reference[finite])
+
+
+def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the q8 kernels round it: per 32 values, d = max |x| / 127, q = round(x / d)."""
+    units = x.reshape(x.shape[0], -1, 32)
+    top = units.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))
+    return (torch.round(units * inverse) * (top / 127.0)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+def test_q8_kernels_are_exact_products_of_the_rounded_rows(isa, kind):
+    # With 8-bit activations, each output is the product of the row rounded to 8 bits per 32 and
+    # the reference's weights, to float32 rounding of the sum (integer sums are exact); float
+    # formats keep float32 inputs. Rows 1..11 cover every tile; K of 21 units an odd last pair.
+    size, weights = FORMATS[kind]
+    k = 21 * 32 if weights == 32 else 3 * weights
+    generator = torch.Generator().manual_seed(4)
+    data = torch.randint(0, 256, (128, k // weights * size), generator=generator, dtype=torch.uint8)
+    if kind in ("f32", "f16", "bf16"):
+        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[kind]
+        data = (torch.randn(128, k, generator=generator) * 100).to(dtype).view(torch.uint8)
+    reference = BlockWeight(kind, data).dequantize()
+    usable = reference.isfinite().all(dim=1)
+    assert usable.sum() >= 8
+    w = BlockWeight(kind, data[usable].contiguous())
+    weight = reference[usable].double()
+    for rows in (1, 2, 3, 5, 8, 11):
+        x = torch.randn(rows, k, generator=generator)
+        y = kernels(isa).linear(x, w, q8=True).double()
+        rounded = (x if kind in ("f32", "f16", "bf16") else _quantized_rows(x)).double()
+        bound = 1e-5 * (rounded.abs() @ weight.abs().T)
+        assert ((y - rounded @ weight.T).abs() <= bound).all()
+    x = torch.randn(13, k, generator=generator)
+    together = kernels(isa).linear(x, w, q8=True)
+    for start, stop in ((0, 1), (2, 4), (3, 7), (1, 9), (4, 13)):
+        assert torch.equal(kernels(isa).linear(x[start:stop], w, q8=True), together[start:stop])

@@ -94,7 +94,7 @@ class ModelDesc(ctypes.Structure):
         ("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
         ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
         ("vocab", ctypes.c_int64), ("max_positions", ctypes.c_int64),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("threads", ctypes.c_int32),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("threads", ctypes.c_int32), ("q8", ctypes.c_int32),
         ("embed", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
         ("lm_head", Mat), ("layers", ctypes.POINTER(LayerDesc)),
     ]
@@ -128,7 +128,8 @@ class Kernels:
     def __init__(self, isa: str, lib: ctypes.CDLL) -> None:
         self.isa = isa
         self._lib = lib
-        lib.parrot_linear.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        lib.parrot_linear.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                      ctypes.c_int]
         lib.parrot_attention.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [
             ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
         lib.parrot_attention_supports.argtypes = [ctypes.c_int64] * 3
@@ -144,9 +145,10 @@ class Kernels:
         return torch.get_num_threads()
 
     def linear(self, x: torch.Tensor, weight: "BlockWeight | Sequence[BlockWeight]",
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, q8: bool = False) -> torch.Tensor:
         """``x @ W.T (+ bias)``: x [M, K] float32, W in GGUF blocks (or parts of W along N, each
-        in its own format); returns [M, N]."""
+        in its own format); returns [M, N]. ``q8``: quantise x to 8 bits per 32 for the parts in
+        integer formats (the faster path; see csrc/kernels.cpp)."""
         parts = [weight] if not isinstance(weight, Sequence) else list(weight)
         k = parts[0].shape[1]
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or any(p.shape[1] != k for p in parts):
@@ -155,7 +157,7 @@ class Kernels:
         y = x.new_empty(x.shape[0], sum(p.shape[0] for p in parts))
         if x.shape[0]:
             chain = mats(parts, bias)
-            self._lib.parrot_linear(ctypes.byref(chain[0]), x.data_ptr(), x.shape[0], y.data_ptr(), self.threads())
+            self._lib.parrot_linear(ctypes.byref(chain[0]), x.data_ptr(), x.shape[0], y.data_ptr(), self.threads(), int(q8))
         return y
 
     def attention_supports(self, head_dim: int, heads: int, kv_heads: int) -> bool:

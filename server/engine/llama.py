@@ -84,7 +84,7 @@ class Linear:
     """
 
     def __init__(self, names: Sequence[str], modules: Sequence[torch.nn.Linear], blocks: dict[str, BlockWeight],
-                 kernels: Kernels | None) -> None:
+                 kernels: Kernels | None, q8: bool = False) -> None:
         weight = torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight
         biases = [m.bias for m in modules]
         self.bias = None
@@ -93,6 +93,7 @@ class Linear:
                                    for m, b in zip(modules, biases)]).detach().contiguous()
         self.dense = PackedLinear(weight, self.bias)
         self.kernels = kernels
+        self.q8 = q8
         # Block weights, as parts along N: consecutive ones of one format fused (Q4_K_M files
         # keep q and k in Q4_K and v in Q6_K, say).
         self.blocks: list[BlockWeight] | None = None
@@ -108,7 +109,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, small: bool = False) -> torch.Tensor:
         if small and self.blocks is not None and self.kernels is not None:
-            return self.kernels.linear(x, self.blocks, self.bias)
+            return self.kernels.linear(x, self.blocks, self.bias, q8=self.q8)
         return self.dense(x)
 
     def mat(self) -> Any:
@@ -119,16 +120,18 @@ class Linear:
 
 
 class _Layer:
-    def __init__(self, index: int, layer: Any, blocks: dict[str, BlockWeight], kernels: Kernels | None) -> None:
+    def __init__(self, index: int, layer: Any, blocks: dict[str, BlockWeight], kernels: Kernels | None,
+                 q8: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         p = f"model.layers.{index}."
         names = {n: f"{p}{n}.weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                 "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
         self.qkv = Linear([names["self_attn.q_proj"], names["self_attn.k_proj"], names["self_attn.v_proj"]],
-                          [attn.q_proj, attn.k_proj, attn.v_proj], blocks, kernels)
-        self.o = Linear([names["self_attn.o_proj"]], [attn.o_proj], blocks, kernels)
-        self.gate_up = Linear([names["mlp.gate_proj"], names["mlp.up_proj"]], [mlp.gate_proj, mlp.up_proj], blocks, kernels)
-        self.down = Linear([names["mlp.down_proj"]], [mlp.down_proj], blocks, kernels)
+                          [attn.q_proj, attn.k_proj, attn.v_proj], blocks, kernels, q8)
+        self.o = Linear([names["self_attn.o_proj"]], [attn.o_proj], blocks, kernels, q8)
+        self.gate_up = Linear([names["mlp.gate_proj"], names["mlp.up_proj"]], [mlp.gate_proj, mlp.up_proj], blocks,
+                              kernels, q8)
+        self.down = Linear([names["mlp.down_proj"]], [mlp.down_proj], blocks, kernels, q8)
         self.input_norm = layer.input_layernorm.weight.detach().contiguous()  # read in place by the kernels
         self.post_norm = layer.post_attention_layernorm.weight.detach().contiguous()
 
@@ -204,10 +207,11 @@ class LlamaForward:
     """Forward passes of a Llama-family transformers model over ``KVCache`` objects."""
 
     def __init__(self, hf_model: Any, max_positions: int, blocks: dict[str, BlockWeight] | None = None,
-                 isa: str | None = None) -> None:
+                 isa: str | None = None, activations: str = "q8") -> None:
         """``blocks``: GGUF block weights by parameter name (see quant.py), used for small passes
         when the compiled kernels are available on this CPU; ``isa``: which kernel set (default:
-        the best this CPU runs, see kernels.py)."""
+        the best this CPU runs, see kernels.py); ``activations``: "q8" to round the block
+        kernels' inputs to 8 bits (faster), "float32" to keep them."""
         reason = native_support(hf_model)
         if reason is not None:
             raise ValueError(f"native forward does not support {reason}")
@@ -232,12 +236,16 @@ class LlamaForward:
         if kernels is not None and kernels.attention_supports(self.head_dim, self.num_heads, self.num_kv_heads):
             self.attention_kernel = kernels
         self.scale = self.head_dim ** -0.5
+        if activations not in ("q8", "float32"):
+            raise ValueError(f"activations must be q8 or float32, got {activations!r}")
+        self.activations = activations
+        q8 = activations == "q8"
         blocks = blocks or {}
         with torch.inference_mode():
             self.embed = inner.embed_tokens.weight.detach().contiguous()
-            self.layers = [_Layer(i, layer, blocks, kernels) for i, layer in enumerate(inner.layers)]
+            self.layers = [_Layer(i, layer, blocks, kernels, q8) for i, layer in enumerate(inner.layers)]
             self.final_norm = inner.norm.weight.detach().contiguous()
-            self.lm_head = Linear(["lm_head.weight"], [hf_model.lm_head], blocks, kernels)
+            self.lm_head = Linear(["lm_head.weight"], [hf_model.lm_head], blocks, kernels, q8)
             # The model's own rotary module computes the tables (it knows the rope scaling type).
             positions = torch.arange(max_positions, device=self.device)[None]
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
@@ -261,7 +269,7 @@ class LlamaForward:
         return ModelDesc(
             num_layers=self.num_layers, hidden=config.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, intermediate=config.intermediate_size, vocab=self.vocab_size,
-            max_positions=self.max_positions, eps=self.eps, scale=self.scale, threads=1,
+            max_positions=self.max_positions, eps=self.eps, scale=self.scale, threads=1, q8=int(self.activations == "q8"),
             embed=self.embed.data_ptr(), cos=self.cos.data_ptr(), sin=self.sin.data_ptr(),
             final_norm=self.final_norm.data_ptr(), lm_head=self.lm_head.mat(), layers=self._layer_descs,
         )

@@ -204,14 +204,15 @@ def gguf_blocks(source: ModelSource, hf_model: Any) -> dict[str, Any]:
 
 
 def prepare(
-    hf_model: Any, tokenizer: Tokenizer, name: str, backend: str = "auto", blocks: dict[str, Any] | None = None
+    hf_model: Any, tokenizer: Tokenizer, name: str, backend: str = "auto", blocks: dict[str, Any] | None = None,
+    activations: str = "q8",
 ) -> LoadedModel:
     """Wrap a loaded transformers model in Parrot's forward (native when supported)."""
     context_window = int(getattr(hf_model.config, "max_position_embeddings", 0) or 4096)
     if backend == "auto":
         backend = "native" if native_support(hf_model) is None else "hf"
     if backend == "native":
-        forward: Any = LlamaForward(hf_model, context_window, blocks)
+        forward: Any = LlamaForward(hf_model, context_window, blocks, activations=activations)
     else:
         forward = HFForward(hf_model, context_window)
     return LoadedModel(
@@ -233,7 +234,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     blocks = gguf_blocks(source, hf_model) if config.backend != "hf" else {}
     # The native forward keeps its own (packed) copies of the weights; the transformers model
     # is dropped after this call unless the fallback backend uses it.
-    loaded = prepare(hf_model, tokenizer, source.display_name, config.backend, blocks)
+    loaded = prepare(hf_model, tokenizer, source.display_name, config.backend, blocks, config.activations)
     loaded.load_seconds = time.perf_counter() - begin
     forward = loaded.forward
     if getattr(forward, "native", None) is not None:

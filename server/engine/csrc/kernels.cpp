@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 using namespace simd;
@@ -61,50 +62,87 @@ inline I fifth_bits(const uint8_t* qh, int s) {
   return shl(iand(shrv(iset1((int32_t)h), iadd(lanes(), iset1(s * L))), iset1(1)), 4);
 }
 inline Scales plain(float d, float m = 0.0f) { return {d, d, m}; }
+inline uint32_t mask32(const uint8_t* p) { uint32_t h; std::memcpy(&h, p, 4); return h; }
 
-struct F32W : Layout<128, 1> {
+// The 8-bit activation path (below) reads a unit as 32 bytes `bytes(blk, b)` of small unsigned
+// values u with weight = d_h * (u - OFFSET) + m for lanes in half h (Scales as above), or, for
+// Q8_0 (SIGNED), signed bytes with weight = d * q. Formats without it (floats) have INTEGER = false.
+struct NoBytes {
+  static constexpr bool INTEGER = false, SIGNED = false, MIN = false;
+  static constexpr int SHIFT = 0;  // OFFSET = 2^SHIFT, or none when 0
+};
+// `qscales` sets d (lanes 0..3: d_0, 4..7: d_1, as a unit's sums come out of bytes::dot) and m.
+template <int Shift, bool Min, bool Signed = false>
+struct Bytes {
+  static constexpr bool INTEGER = true, SIGNED = Signed, MIN = Min;
+  static constexpr int SHIFT = Shift;
+};
+// The 32-weight formats: float16 d at the start of the block, then m where there is one.
+template <int Shift, bool Min, bool Signed = false>
+struct HalfScales : Bytes<Shift, Min, Signed> {
+  static void qscales(const uint8_t* blk, int64_t, bytes::G& d, bytes::G& m) {
+    d = bytes::ghalf(blk);
+    if constexpr (Min) m = bytes::ghalf(blk + 2);
+  }
+};
+// Formats whose scales() differ by half of a unit or need decoding.
+template <class W, int Shift, bool Min>
+struct DecodedScales : Bytes<Shift, Min> {
+  static void qscales(const uint8_t* blk, int64_t b, bytes::G& d, bytes::G& m) {
+    const Scales c = W::scales(blk, b);
+    d = bytes::gset2(c.d0, c.d1);
+    if constexpr (Min) m = bytes::gset1(c.m);
+  }
+};
+
+struct F32W : Layout<128, 1>, NoBytes {
   static Scales scales(const uint8_t*, int64_t) { return {}; }
   static F part(const uint8_t* blk, int64_t, int s, const Scales&) { return load((const float*)blk + s * L); }
 };
-struct F16W : Layout<64, 1> {
+struct F16W : Layout<64, 1>, NoBytes {
   static Scales scales(const uint8_t*, int64_t) { return {}; }
   static F part(const uint8_t* blk, int64_t, int s, const Scales&) { return load_f16(blk + 2 * s * L); }
 };
-struct BF16W : Layout<64, 1> {
+struct BF16W : Layout<64, 1>, NoBytes {
   static Scales scales(const uint8_t*, int64_t) { return {}; }
   static F part(const uint8_t* blk, int64_t, int s, const Scales&) { return bits(shl(load_u16(blk + 2 * s * L), 16)); }
 };
 // Q4_0 (18 bytes): d, 16 bytes of nibbles; weight = d * (q - 8).
-struct Q4_0W : Layout<18, 1> {
+struct Q4_0W : Layout<18, 1>, HalfScales<3, false> {
   static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk)); }
+  static bytes::B bytes(const uint8_t* blk, int64_t) { return bytes::nibbles(blk + 2); }
   static F part(const uint8_t* blk, int64_t, int s, const Scales& c) {
     return mul(set1(c.d0), to_float(isub(nibbles(blk + 2, s), iset1(8))));
   }
 };
 // Q4_1 (20 bytes): d, m, 16 bytes of nibbles; weight = d * q + m.
-struct Q4_1W : Layout<20, 1> {
+struct Q4_1W : Layout<20, 1>, HalfScales<0, true> {
   static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk), half(blk + 2)); }
+  static bytes::B bytes(const uint8_t* blk, int64_t) { return bytes::nibbles(blk + 4); }
   static F part(const uint8_t* blk, int64_t, int s, const Scales& c) {
     return fmadd(set1(c.d0), to_float(nibbles(blk + 4, s)), set1(c.m));
   }
 };
 // Q5_0 (22 bytes): d, 32-bit mask of 5th bits, nibbles; weight = d * (q - 16).
-struct Q5_0W : Layout<22, 1> {
+struct Q5_0W : Layout<22, 1>, HalfScales<4, false> {
   static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk)); }
+  static bytes::B bytes(const uint8_t* blk, int64_t) { return bytes::bor(bytes::nibbles(blk + 6), bytes::bits16(mask32(blk + 2))); }
   static F part(const uint8_t* blk, int64_t, int s, const Scales& c) {
     return mul(set1(c.d0), to_float(isub(ior(nibbles(blk + 6, s), fifth_bits(blk + 2, s)), iset1(16))));
   }
 };
 // Q5_1 (24 bytes): d, m, 5th bits, nibbles; weight = d * q + m.
-struct Q5_1W : Layout<24, 1> {
+struct Q5_1W : Layout<24, 1>, HalfScales<0, true> {
   static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk), half(blk + 2)); }
+  static bytes::B bytes(const uint8_t* blk, int64_t) { return bytes::bor(bytes::nibbles(blk + 8), bytes::bits16(mask32(blk + 4))); }
   static F part(const uint8_t* blk, int64_t, int s, const Scales& c) {
     return fmadd(set1(c.d0), to_float(ior(nibbles(blk + 8, s), fifth_bits(blk + 4, s))), set1(c.m));
   }
 };
 // Q8_0 (34 bytes): d, 32 signed bytes; weight = d * q.
-struct Q8_0W : Layout<34, 1> {
+struct Q8_0W : Layout<34, 1>, HalfScales<0, false, true> {
   static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk)); }
+  static bytes::B bytes(const uint8_t* blk, int64_t) { return bytes::load(blk + 2); }
   static F part(const uint8_t* blk, int64_t, int s, const Scales& c) { return mul(set1(c.d0), to_float(load_i8(blk + 2 + s * L))); }
 };
 // Q4_K and Q5_K scales: 8 units, a 6-bit scale and a 6-bit min each, packed in 12 bytes.
@@ -118,8 +156,12 @@ inline Scales k_scales(const uint8_t* blk, int64_t b) {
 }
 // Q4_K (144 bytes per 256): d, dmin, scales, 128 bytes: unit u in bytes 32 (u / 2) .., nibble u % 2;
 // weight = d * scale * q - dmin * min.
-struct Q4_KW : Layout<144, 8> {
+struct Q4_KW : Layout<144, 8>, DecodedScales<Q4_KW, 0, true> {
   static Scales scales(const uint8_t* blk, int64_t b) { return k_scales(blk, b); }
+  static bytes::B bytes(const uint8_t* blk, int64_t b) {
+    const int u = (int)(b % 8);
+    return bytes::bits(bytes::load(blk + 16 + 32 * (u / 2)), 4 * (u % 2), 15);
+  }
   static F part(const uint8_t* blk, int64_t b, int s, const Scales& c) {
     const int u = (int)(b % 8);
     const I q = iand(shr(load_u8(blk + 16 + 32 * (u / 2) + s * L), 4 * (u % 2)), iset1(15));
@@ -127,8 +169,13 @@ struct Q4_KW : Layout<144, 8> {
   }
 };
 // Q5_K (176 bytes): d, dmin, scales, 32 bytes of 5th bits (bit u of byte l), 128 bytes as Q4_K.
-struct Q5_KW : Layout<176, 8> {
+struct Q5_KW : Layout<176, 8>, DecodedScales<Q5_KW, 0, true> {
   static Scales scales(const uint8_t* blk, int64_t b) { return k_scales(blk, b); }
+  static bytes::B bytes(const uint8_t* blk, int64_t b) {
+    const int u = (int)(b % 8);
+    return bytes::bor(bytes::bits(bytes::load(blk + 48 + 32 * (u / 2)), 4 * (u % 2), 15),
+                      bytes::shl4(bytes::bits(bytes::load(blk + 16), u, 1)));
+  }
   static F part(const uint8_t* blk, int64_t b, int s, const Scales& c) {
     const int u = (int)(b % 8);
     const I low = iand(shr(load_u8(blk + 48 + 32 * (u / 2) + s * L), 4 * (u % 2)), iset1(15));
@@ -138,7 +185,12 @@ struct Q5_KW : Layout<176, 8> {
 };
 // Q6_K (210 bytes): 128 bytes of low nibbles, 64 of 2-bit highs, 16 signed scales (one per 16
 // weights), d; weight = (d * scale) * (q - 32), rounded as the reference rounds it.
-struct Q6_KW : Layout<210, 8> {
+struct Q6_KW : Layout<210, 8>, DecodedScales<Q6_KW, 5, false> {
+  static bytes::B bytes(const uint8_t* blk, int64_t b) {
+    const int u = (int)(b % 8), h = u / 4, t = u % 4;
+    return bytes::bor(bytes::bits(bytes::load(blk + 64 * h + 32 * (u % 2)), 4 * (t / 2), 15),
+                      bytes::shl4(bytes::bits(bytes::load(blk + 128 + 32 * h), 2 * t, 3)));
+  }
   static Scales scales(const uint8_t* blk, int64_t b) {
     const int u = (int)(b % 8);
     const float d = half(blk + 208);
@@ -229,6 +281,132 @@ void linear_rows(const W& w, const float* x, int64_t M, int64_t K, float* y, int
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Linear layers with 8-bit activations: each row of x is quantised per unit of 32 (as Q8_0:
+// a float multiplier and 32 signed bytes) and each unit's dot product with a weight unit is an
+// exact integer sum of byte products, scaled once: 32 multiply-adds in two instructions where
+// the float path spends four multiply-adds and the expansion of the weights to floats. A row's
+// quantisation depends on its own values only, and its sums run in the same order whatever the
+// tile, so this path is batch-invariant as the float one is; it rounds x to 8 bits first (as
+// llama.cpp does for these formats), which the float path does not.
+
+// Rows of x quantised per unit, laid out for the kernels, which take units two at a time (a
+// pair's sums share one vector: bytes::pair): per row, `pairs` pairs (an odd last unit is
+// paired with a unit of zeros), each with q (64 bytes), d = the two multipliers as the pair's
+// sums are laid out (a, a, b, b, a, a, b, b), s = (s_a, s_b, 0, ..): each unit's multiplier
+// times the sum of its q, and sums: the sums in fours of both units, paired the same way.
+struct XQ {
+  int64_t pairs;
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> sums;
+  XQ(const float* x, int64_t M, int64_t K)
+      : pairs((K / 32 + 1) / 2), q(M * pairs * 64), d(M * pairs * 8), s(M * pairs * 8), sums(M * pairs * 8) {
+    const int64_t units = K / 32;
+    for (int64_t i = 0; i < M; ++i) {
+      for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t at = i * pairs + p;
+        float dd[2] = {0.0f, 0.0f};
+        alignas(32) int32_t lanes[2][8] = {};
+        for (int h = 0; h < 2 && 2 * p + h < units; ++h) {
+          dd[h] = bytes::quantize(x + i * K + (2 * p + h) * 32, &q[at * 64 + h * 32], lanes[h]);
+          int32_t total = 0;
+          for (int k = 0; k < 8; ++k) total += lanes[h][k];
+          s[at * 8 + h] = dd[h] * (float)total;
+        }
+        bytes::pair_sums(lanes[0], lanes[1], &sums[at * 8]);
+        const float layout[8] = {dd[0], dd[0], dd[1], dd[1], dd[0], dd[0], dd[1], dd[1]};
+        std::memcpy(&d[at * 8], layout, sizeof layout);
+      }
+    }
+  }
+};
+
+// MT rows of x against NT weight rows, a pair of units (a, b) at a time: the two units' sums
+// of byte products go into one vector (bytes::pair) that is converted, scaled and accumulated
+// once. Every step of a row's sums is fixed by the row and the pair, whatever the tile.
+template <int MT, int NT, class W>
+inline void qtile(const W& w, const XQ& x, int64_t row, int64_t n, float* y, int64_t ldy) {
+  using namespace bytes;
+  const int64_t units = x.pairs * 2 - (w.K / 32) % 2;  // the weight's units
+  G acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = gzero();
+  for (int64_t p = 0; p < x.pairs; ++p) {
+    const int64_t b = 2 * p;
+    const bool second = b + 1 < units;
+    B u[NT][2], sg[NT][2];
+    G dw[NT], mw[NT];
+    for (int j = 0; j < NT; ++j) {
+      G d[2], m[2];
+      for (int h = 0; h < 2; ++h) {
+        if (h == 1 && !second) { u[j][1] = sg[j][1] = bzero(); d[1] = m[1] = gzero(); break; }
+        const uint8_t* blk = w.block(n + j, b + h);
+        if (h == 0) __builtin_prefetch(blk + 1024);
+        W::qscales(blk, b + h, d[h], m[h]);
+        u[j][h] = W::bytes(blk, b + h);
+        if constexpr (W::SIGNED) { sg[j][h] = u[j][h]; u[j][h] = babs(u[j][h]); }
+      }
+      dw[j] = gpair(d[0], d[1]);
+      if constexpr (W::MIN) mw[j] = gpair_first(m[0], m[1]);
+    }
+    for (int i = 0; i < MT; ++i) {
+      const int64_t at = (row + i) * x.pairs + p;
+      const B xa = load((const uint8_t*)&x.q[at * 64]), xb = load((const uint8_t*)&x.q[at * 64 + 32]);
+      const G dx = gload(&x.d[at * 8]);
+      for (int j = 0; j < NT; ++j) {
+        S sum = W::SIGNED ? pair(dot(u[j][0], sign_of(xa, sg[j][0])), dot(u[j][1], sign_of(xb, sg[j][1])))
+                          : pair(dot(u[j][0], xa), dot(u[j][1], xb));
+        if constexpr (W::SHIFT > 0) sum = ssub(sum, sshl(sload(&x.sums[at * 8]), W::SHIFT));
+        acc[i][j] = gfmadd(gfloat(sum), gmul(dw[j], dx), acc[i][j]);
+        if constexpr (W::MIN) acc[i][j] = gfmadd(mw[j], gload(&x.s[at * 8]), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) y[i * ldy + n + j] = ghsum(acc[i][j]);
+}
+
+template <int R, int MT, int NT, class W>
+inline void qrest(const W& w, const XQ& x, int64_t row, int64_t left, int64_t n, float* y, int64_t ldy) {
+  if constexpr (R > 0 && R < MT) {
+    if (left == R) qtile<R, NT>(w, x, row, n, y, ldy);
+    else qrest<R - 1, MT, NT>(w, x, row, left, n, y, ldy);
+  }
+}
+
+template <int MT, int NT, class W>
+inline void qcolumns(const W& w, const XQ& x, int64_t M, int64_t n, float* y, int64_t ldy) {
+  int64_t i = 0;
+  for (; i + MT <= M; i += MT) qtile<MT, NT>(w, x, i, n, y + i * ldy, ldy);
+  qrest<MT - 1, MT, NT>(w, x, i, M - i, n, y + i * ldy, ldy);
+}
+
+template <int MT, int NT, class W>
+void qrun(const W& w, const XQ& x, int64_t M, float* y, int64_t N, int64_t ldy, int threads) {
+  const int64_t tiled = N - N % NT;
+  pool(threads).parallel_for(tiled / NT, [&](int64_t t) { qcolumns<MT, NT>(w, x, M, t * NT, y, ldy); });
+  for (int64_t n = tiled; n < N; ++n) qcolumns<MT, 1>(w, x, M, n, y, ldy);
+}
+
+template <class W>
+void linear_bytes(const W& w, const XQ& x, int64_t M, float* y, int64_t N, int64_t ldy, int threads) {
+  if (M == 1) qrun<1, 2>(w, x, M, y, N, ldy, threads);
+  else if (M == 2) qrun<2, 1>(w, x, M, y, N, ldy, threads);
+  else if (M <= 4) qrun<4, 1>(w, x, M, y, N, ldy, threads);
+  else qrun<8, 1>(w, x, M, y, N, ldy, threads);
+}
+
+// One part of a layer: the 8-bit path when asked for and the format has one (xq is then the
+// quantised x), the float path otherwise.
+template <class W>
+void linear_part(const W& w, const float* x, const XQ* xq, int64_t M, float* y, int64_t N, int64_t ldy, int threads) {
+  if constexpr (W::INTEGER) {
+    if (xq != nullptr && xq->pairs == (w.K / 32 + 1) / 2) return linear_bytes(w, *xq, M, y, N, ldy, threads);
+  }
+  linear_rows(w, x, M, w.K, y, N, ldy, threads);
+}
+
 }  // namespace
 
 extern "C" {
@@ -244,25 +422,28 @@ struct Mat {
   const Mat* next;      // the next part along N, or null
 };
 
-// y = x @ W^T (+ bias) for x [M, K]; y [M, total N of the parts].
-void parrot_linear(const Mat* w, const float* x, int64_t M, float* y, int threads) {
+// y = x @ W^T (+ bias) for x [M, K]; y [M, total N of the parts]. `q8`: quantise x to 8 bits
+// for the parts in integer formats (the 8-bit path above); 0: float32 throughout.
+void parrot_linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int q8) {
   int64_t ldy = 0;
-  for (const Mat* p = w; p != nullptr; p = p->next) ldy += p->N;
+  bool any_bytes = false;
+  for (const Mat* p = w; p != nullptr; p = p->next) { ldy += p->N; any_bytes |= p->kind >= Q4_0; }
+  const std::unique_ptr<XQ> xq(q8 && any_bytes ? new XQ(x, M, w->K) : nullptr);
   for (int64_t offset = 0; w != nullptr; offset += w->N, w = w->next) {
     const int64_t K = w->K, N = w->N;
     float* out = y + offset;
     switch (w->kind) {
-      case F32: linear_rows(F32W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
-      case F16: linear_rows(F16W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
-      case BF16: linear_rows(BF16W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
-      case Q4_0: linear_rows(Q4_0W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
-      case Q4_1: linear_rows(Q4_1W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
-      case Q5_0: linear_rows(Q5_0W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
-      case Q5_1: linear_rows(Q5_1W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
-      case Q8_0: linear_rows(Q8_0W{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
-      case Q4_K: linear_rows(Q4_KW{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
-      case Q5_K: linear_rows(Q5_KW{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
-      case Q6_K: linear_rows(Q6_KW{{w->data, K}}, x, M, K, out, N, ldy, threads); break;
+      case F32: linear_part(F32W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
+      case F16: linear_part(F16W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
+      case BF16: linear_part(BF16W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
+      case Q4_0: linear_part(Q4_0W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
+      case Q4_1: linear_part(Q4_1W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
+      case Q5_0: linear_part(Q5_0W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
+      case Q5_1: linear_part(Q5_1W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
+      case Q8_0: linear_part(Q8_0W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
+      case Q4_K: linear_part(Q4_KW{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
+      case Q5_K: linear_part(Q5_KW{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
+      case Q6_K: linear_part(Q6_KW{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
       default: break;
     }
     if (w->bias != nullptr)
@@ -489,6 +670,7 @@ struct Model {
   int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, max_positions;
   float eps, scale;
   int32_t threads;
+  int32_t q8;               // 8-bit activations for integer block formats (parrot_linear)
   const float* embed;       // [vocab, hidden] float32 rows
   const float* cos;         // [max_positions, head_dim]
   const float* sin;
@@ -567,7 +749,7 @@ void parrot_forward(const Model* md, int64_t num_seqs, const Seq* seqs, const in
   for (int64_t l = 0; l < md->num_layers; ++l) {
     const Layer& layer = md->layers[l];
     rms_norm(hidden.data(), layer.input_norm, M, H, md->eps, x.data());
-    parrot_linear(&layer.qkv, x.data(), M, qkv.data(), md->threads);
+    parrot_linear(&layer.qkv, x.data(), M, qkv.data(), md->threads, md->q8);
     int64_t row = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
       const Seq& seq = seqs[s];
@@ -588,12 +770,12 @@ void parrot_forward(const Model* md, int64_t num_seqs, const Seq* seqs, const in
                        seq.start + seq.n, md->scale, &att[row * q_width], md->threads);
       row += seq.n;
     }
-    parrot_linear(&layer.o, att.data(), M, tmp.data(), md->threads);
+    parrot_linear(&layer.o, att.data(), M, tmp.data(), md->threads, md->q8);
     for (int64_t i = 0; i < M * H; ++i) hidden[i] += tmp[i];
     rms_norm(hidden.data(), layer.post_norm, M, H, md->eps, x.data());
-    parrot_linear(&layer.gate_up, x.data(), M, gu.data(), md->threads);
+    parrot_linear(&layer.gate_up, x.data(), M, gu.data(), md->threads, md->q8);
     silu_mul(gu.data(), M, I, act.data());
-    parrot_linear(&layer.down, act.data(), M, tmp.data(), md->threads);
+    parrot_linear(&layer.down, act.data(), M, tmp.data(), md->threads, md->q8);
     for (int64_t i = 0; i < M * H; ++i) hidden[i] += tmp[i];
   }
   // Logits of each sequence's last num_logits rows.
@@ -605,7 +787,7 @@ void parrot_forward(const Model* md, int64_t num_seqs, const Seq* seqs, const in
     out_row += seqs[s].num_logits;
     row += seqs[s].n;
   }
-  if (rows_out > 0) parrot_linear(&md->lm_head, last.data(), rows_out, logits, md->threads);
+  if (rows_out > 0) parrot_linear(&md->lm_head, last.data(), rows_out, logits, md->threads, md->q8);
 }
 
 const char* parrot_isa() { return ISA; }

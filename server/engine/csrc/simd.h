@@ -294,4 +294,173 @@ inline void transpose(const float* const* src, int64_t col, float* dst) {
 // Blocks of 32 weights are L-lane vectors in PARTS parts.
 constexpr int PARTS = 32 / L;
 
+
+// ---------------------------------------------------------------------------------------------
+// 8-bit integer dot products, 32 bytes at a time in every build (the AVX-512 build uses the same
+// 256-bit instructions): the linear layers with quantised activations (kernels.cpp). Products
+// of one unsigned and one signed byte, summed in pairs and then in fours: lane k of dot(u, x)
+// is u[4k] x[4k] + ... + u[4k+3] x[4k+3], exactly (the callers keep |u| <= 128 and |x| <= 127,
+// so no 16-bit pair sum saturates).
+namespace bytes {
+
+#if defined(PARROT_AVX512) || defined(PARROT_AVX2)
+
+struct B { __m256i v; };   // 32 bytes
+struct S { __m256i v; };   // 8 int32 (sums)
+struct G { __m256 v; };    // 8 float32
+inline B load(const uint8_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
+// 16 bytes of nibbles -> their 32 values: low nibbles in bytes 0..15, high ones in 16..31.
+inline B nibbles(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128((const __m128i*)p);
+  return {_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15))};
+}
+// Bits (b >> shift) & mask of 32 bytes.
+inline B bits(B a, int shift, int mask) {
+  return {_mm256_and_si256(_mm256_srl_epi16(a.v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask))};
+}
+inline B shl4(B a) { return {_mm256_slli_epi16(a.v, 4)}; }  // callers keep bytes below 16
+inline B bor(B a, B b) { return {_mm256_or_si256(a.v, b.v)}; }
+// Byte j = 16 where bit j of the 32-bit mask is set, else 0.
+inline B bits16(uint32_t mask) {
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)mask), shuffle);
+  v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return {_mm256_and_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(16))};
+}
+inline B babs(B a) { return {_mm256_sign_epi8(a.v, a.v)}; }
+inline B sign_of(B x, B w) { return {_mm256_sign_epi8(x.v, w.v)}; }  // x where w > 0, -x where w < 0, 0 where w = 0
+inline S dot(B u, B x) { return {_mm256_madd_epi16(_mm256_maddubs_epi16(u.v, x.v), _mm256_set1_epi16(1))}; }
+// The sums of two units in one vector: (a0 + a1, a2 + a3, b0 + b1, b2 + b3, a4 + a5, a6 + a7,
+// b4 + b5, b6 + b7); lanes 0, 1, 4, 5 from unit a (its halves in 0, 1 and 4, 5), the rest from b.
+inline S pair(S a, S b) { return {_mm256_hadd_epi32(a.v, b.v)}; }
+inline void pair_sums(const int32_t* a, const int32_t* b, int32_t* out) {
+  _mm256_storeu_si256((__m256i*)out, pair({_mm256_loadu_si256((const __m256i*)a)}, {_mm256_loadu_si256((const __m256i*)b)}).v);
+}
+inline B bzero() { return {_mm256_setzero_si256()}; }
+inline S ssub(S a, S b) { return {_mm256_sub_epi32(a.v, b.v)}; }
+inline S sshl(S a, int n) { return {_mm256_sll_epi32(a.v, _mm_cvtsi32_si128(n))}; }
+inline S sload(const int32_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
+inline G gfloat(S a) { return {_mm256_cvtepi32_ps(a.v)}; }
+inline G gset1(float a) { return {_mm256_set1_ps(a)}; }
+inline G ghalf(const uint8_t* p) { int16_t h; std::memcpy(&h, p, 2); return {_mm256_cvtph_ps(_mm_set1_epi16(h))}; }  // float16 at p, in every lane
+inline G gset2(float lo, float hi) { return {_mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo))}; }  // lanes 0..3, 4..7
+inline G gload(const float* p) { return {_mm256_loadu_ps(p)}; }
+// Multipliers of units a and b (each [lanes 0..3: first half, 4..7: second half]) laid out as
+// pair() lays out their sums; and (a[0], b[0], ...) for a product with (s_a, s_b, 0, ..).
+inline G gpair(G a, G b) { return {_mm256_blend_ps(a.v, b.v, 0xcc)}; }
+inline G gpair_first(G a, G b) { return {_mm256_blend_ps(a.v, b.v, 0x02)}; }
+inline G gzero() { return {_mm256_setzero_ps()}; }
+inline G gmul(G a, G b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline G gfmadd(G a, G b, G c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline float ghsum(G a) {  // the AVX2 build's hsum order
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+inline void gpin(G& a) { asm("" : "+x"(a.v)); }
+inline void bpin(B& a) { asm("" : "+x"(a.v)); }
+
+// 32 floats -> 32 bytes q = round(x / d) (to nearest, ties to even), d = max |x| / 127; writes q
+// and its sums in fours (lane k: q[4k] + .. + q[4k+3]); returns d (0 for a unit of zeros).
+inline float quantize(const float* x, int8_t* q, int32_t* sums) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm256_loadu_ps(x + 8 * k);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  const float top = _mm_cvtss_f32(m), d = top / 127.0f;
+  const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+  __m256i i[4];
+  for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));  // MXCSR: to nearest even
+  // Pack 4 x 8 int32 into 32 bytes in order (packs interleave 128-bit halves; the permute undoes it).
+  const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  const __m256i bytes = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256((__m256i*)q, bytes);
+  const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
+  _mm256_storeu_si256((__m256i*)sums, s);
+  return d;
+}
+
+#else  // portable
+
+typedef uint8_t vb __attribute__((vector_size(32)));
+typedef int32_t vw __attribute__((vector_size(32)));
+typedef float vg __attribute__((vector_size(32)));
+struct B { vb v; };
+struct S { vw v; };
+struct G { vg v; };
+inline B load(const uint8_t* p) { B a; std::memcpy(&a.v, p, 32); return a; }
+inline B nibbles(const uint8_t* p) {
+  B a;
+  for (int j = 0; j < 16; ++j) { a.v[j] = p[j] & 15; a.v[j + 16] = p[j] >> 4; }
+  return a;
+}
+inline B bits(B a, int shift, int mask) { return {(vb)((a.v >> shift) & (uint8_t)mask)}; }
+inline B shl4(B a) { return {(vb)(a.v << 4)}; }
+inline B bor(B a, B b) { return {a.v | b.v}; }
+inline B bits16(uint32_t mask) { B a; for (int j = 0; j < 32; ++j) a.v[j] = ((mask >> j) & 1) << 4; return a; }
+inline B babs(B a) { B r; for (int j = 0; j < 32; ++j) { const int8_t s = (int8_t)a.v[j]; r.v[j] = (uint8_t)(s < 0 ? -s : s); } return r; }
+inline B sign_of(B x, B w) {
+  B r;
+  for (int j = 0; j < 32; ++j) { const int8_t s = (int8_t)w.v[j], t = (int8_t)x.v[j]; r.v[j] = (uint8_t)(s > 0 ? t : s < 0 ? -t : 0); }
+  return r;
+}
+inline S dot(B u, B x) {
+  S r;
+  for (int k = 0; k < 8; ++k) {
+    int32_t s = 0;
+    for (int j = 4 * k; j < 4 * k + 4; ++j) s += (int32_t)u.v[j] * (int32_t)(int8_t)x.v[j];
+    r.v[k] = s;
+  }
+  return r;
+}
+inline S pair(S a, S b) { return {vw{a.v[0] + a.v[1], a.v[2] + a.v[3], b.v[0] + b.v[1], b.v[2] + b.v[3],
+                                     a.v[4] + a.v[5], a.v[6] + a.v[7], b.v[4] + b.v[5], b.v[6] + b.v[7]}}; }
+inline void pair_sums(const int32_t* a, const int32_t* b, int32_t* out) {
+  S x, y;
+  std::memcpy(&x.v, a, 32);
+  std::memcpy(&y.v, b, 32);
+  const S r = pair(x, y);
+  std::memcpy(out, &r.v, 32);
+}
+inline B bzero() { return {vb{}}; }
+inline S ssub(S a, S b) { return {a.v - b.v}; }
+inline S sshl(S a, int n) { return {a.v << n}; }
+inline S sload(const int32_t* p) { S a; std::memcpy(&a.v, p, 32); return a; }
+inline G gfloat(S a) { return {__builtin_convertvector(a.v, vg)}; }
+inline G gset1(float a) { return {vg{} + a}; }
+inline G ghalf(const uint8_t* p) { return gset1(half(p)); }
+inline G gset2(float lo, float hi) { return {vg{lo, lo, lo, lo, hi, hi, hi, hi}}; }
+inline G gload(const float* p) { G a; std::memcpy(&a.v, p, 32); return a; }
+inline G gpair(G a, G b) { return {vg{a.v[0], a.v[1], b.v[2], b.v[3], a.v[4], a.v[5], b.v[6], b.v[7]}}; }
+inline G gpair_first(G a, G b) { return {vg{a.v[0], b.v[1], a.v[2], a.v[3], a.v[4], a.v[5], a.v[6], a.v[7]}}; }
+inline G gzero() { return {vg{}}; }
+inline G gmul(G a, G b) { return {a.v * b.v}; }
+inline G gfmadd(G a, G b, G c) { return {a.v * b.v + c.v}; }
+inline float ghsum(G a) {
+  const float lo = (a.v[0] + a.v[4]) + (a.v[2] + a.v[6]);
+  const float hi = (a.v[1] + a.v[5]) + (a.v[3] + a.v[7]);
+  return lo + hi;
+}
+inline void gpin(G&) {}
+inline void bpin(B&) {}
+
+inline float quantize(const float* x, int8_t* q, int32_t* sums) {
+  float top = 0.0f;
+  for (int j = 0; j < 32; ++j) top = std::fmax(top, std::fabs(x[j]));
+  const float d = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
+  for (int j = 0; j < 32; ++j) q[j] = (int8_t)std::nearbyint(x[j] * inv);
+  for (int k = 0; k < 8; ++k) sums[k] = q[4 * k] + q[4 * k + 1] + q[4 * k + 2] + q[4 * k + 3];
+  return d;
+}
+
+#endif
+
+}  // namespace bytes
+
 }  // namespace simd
