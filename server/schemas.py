@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.errors import APIError
+from tokenizer.tools import tool_grammar
 
 
 def valid_unicode(value: str) -> str:
@@ -88,11 +89,8 @@ class Prediction(_Strict):
 
 # OpenAI parameters Parrot does not implement, with the value that means "not used".
 _NEUTRAL: dict[str, Any] = {
-    "tools": [],
-    "tool_choice": "none",
     "functions": [],
     "function_call": "none",
-    "parallel_tool_calls": None,
     "audio": None,
     "modalities": ["text"],
     "reasoning_effort": None,
@@ -244,15 +242,64 @@ class CompletionRequest(_GenerationFields):
         return list(p)  # type: ignore[arg-type]
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: any object
+    strict: bool | None = None  # arguments always follow the schema (a grammar constrains them)
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    # What clients send back when they append an assistant message as they received it.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def as_dict(self) -> dict[str, Any]:
+        """role and content, and the tool fields when set, for the chat template."""
+        # "developer" is OpenAI's newer name for "system"; chat templates know "system".
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_GenerationFields):
@@ -261,11 +308,11 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
     audio: Any = None
     modalities: list[str] | None = None
     reasoning_effort: str | None = None
@@ -281,9 +328,44 @@ class ChatCompletionRequest(_GenerationFields):
         """``max_completion_tokens`` (OpenAI's newer name), else ``max_tokens``, else no limit."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def chat(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for "system"; chat templates know "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def chat(self) -> list[dict[str, Any]]:
+        return [m.as_dict() for m in self.messages]
+
+    def tool_use(self) -> tuple[list[FunctionDefinition], bool] | None:
+        """(the functions the answer may call, whether it must call one), or None when it may
+        not call any: no tools, or ``tool_choice: "none"`` (the prompt then shows no tools).
+        400 for a ``tool_choice`` that names no tool given."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice is not None and choice != "none":
+                raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice", code="invalid_value")
+            return None
+        functions = [t.function for t in self.tools]
+        names = [f.name for f in functions]
+        if len(set(names)) < len(names):
+            raise APIError(400, "tool function names must be unique", param="tools", code="invalid_value")
+        if choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is not in 'tools'",
+                               param="tool_choice", code="invalid_value")
+            return [f for f in functions if f.name == choice.function.name], True
+        return functions, choice == "required"
+
+    def constraint(self) -> tuple[str, str, Any] | None:
+        """The one output constraint: tool calls (see ``tokenizer.tools``), or the parent's."""
+        found = super().constraint()
+        use = self.tool_use()
+        if use is None:
+            return found
+        if found is not None:
+            raise APIError(400, f"give tools or an output constraint, not both ({found[0]})", param=found[0],
+                           code="invalid_value")
+        functions, required = use
+        parallel = self.parallel_tool_calls is not False
+        grammar = tool_grammar([f.model_dump(exclude_none=True) for f in functions], required, parallel)
+        return ("tools", "lark", grammar)
 
 
 class SummarizeRequest(_Strict):

@@ -173,7 +173,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": QUESTION, "stop": [""]}, 400, "invalid_request_error", "stop"),
     ("/v1/chat/completions", {"messages": QUESTION, "model": "gpt-4"}, 404, "invalid_request_error", "model"),
     ("/v1/chat/completions", {"messages": QUESTION, "frequency_penalty": 2.5}, 400, "invalid_request_error", "frequency_penalty"),
-    ("/v1/chat/completions", {"messages": QUESTION, "tools": [{"type": "function"}]}, 400, "invalid_request_error", "tools"),
+    ("/v1/chat/completions", {"messages": QUESTION, "tools": [{"type": "function"}]}, 400, "invalid_request_error", "tools[0].function"),
     ("/v1/chat/completions", {"messages": QUESTION, "mystery": 1}, 400, "invalid_request_error", "mystery"),
     ("/v1/chat/completions", {"messages": QUESTION, "top_logprobs": 2}, 400, "invalid_request_error", "top_logprobs"),
     ("/v1/chat/completions", {"messages": QUESTION, "speculation": {"max_draft": -1}}, 400, "invalid_request_error", "speculation.max_draft"),

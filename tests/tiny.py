@@ -35,8 +35,9 @@ class TinyTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(ch) - ord("a") + 1 for ch in text if "a" <= ch <= "z"]
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return [t for m in messages for t in self.encode(m["content"])]
+    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
+                    tools: object = None) -> list[int]:
+        return [t for m in messages for t in self.encode(m["content"])]  # tools are not shown
 
     def convert_ids_to_tokens(self, token: int) -> str:
         return self.piece(token)

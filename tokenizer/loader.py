@@ -17,6 +17,7 @@ from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tokenizer.budget import TokenBudget
+from tokenizer.tools import tool_messages
 
 TokenId = int
 
@@ -63,18 +64,31 @@ class Tokenizer:
         assert isinstance(text, str)
         return text
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's chat template makes of ``messages``."""
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tools itself (it reads a ``tools`` variable)."""
+        return "tools" in (getattr(self.hf, "chat_template", None) or "")
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text the model's chat template makes of ``messages`` (OpenAI's, with
+        ``tool_calls`` and ``tool`` messages) and ``tools`` (OpenAI tool objects). A template
+        without tool support gets them as :func:`tokenizer.tools.tool_messages` renders them."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use a plain prompt instead")
+        if self.supports_tools:
+            messages = [_arguments_as_objects(m) for m in messages]
+        else:
+            messages, tools = tool_messages(messages, tools), None
         text = self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         assert isinstance(text, str)
         return text
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[TokenId]:
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[TokenId]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
     @property
     def budget(self) -> TokenBudget:
@@ -84,6 +98,21 @@ class Tokenizer:
         if cached is None:
             cached = self.__dict__["_budget"] = TokenBudget(self)
         return cached
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose tool calls' arguments are objects, as chat templates expect (OpenAI sends
+    JSON text); arguments that do not parse stay text."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        try:
+            arguments = json.loads(call["function"]["arguments"])
+        except (ValueError, TypeError):
+            arguments = call["function"]["arguments"]
+        calls.append({**call, "function": {**call["function"], "arguments": arguments}})
+    return {**message, "tool_calls": calls}
 
 
 def load_tokenizer(model_dir_or_id: str, gguf_file: str | None = None) -> Tokenizer:

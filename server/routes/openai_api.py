@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from functools import lru_cache
@@ -43,6 +44,7 @@ from server.routes.generation import (
 from server.schemas import ChatCompletionRequest, CompletionRequest, _GenerationFields
 from server.state import ServerState, state_of
 from tokenizer import Tokenizer
+from tokenizer.tools import ToolCallReader, read_tool_calls
 
 router = APIRouter()
 
@@ -249,18 +251,38 @@ class _Completions(_Format):
 
 
 class _Chat(_Format):
+    """Choices of /v1/chat/completions. With tools, the answer is read as content or tool calls
+    (``tokenizer.tools``): a choice that made calls has ``message.tool_calls``, no content, and
+    ``finish_reason: "tool_calls"``; streamed, each call's id and name come first, then its
+    arguments in pieces as they are generated."""
+
     path = "/v1/chat/completions"
     id_prefix = "chatcmpl"
     response_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, tokenizer: Tokenizer, logprobs: bool, prompt_logprobs: int | None, tools: bool) -> None:
+        super().__init__(tokenizer, logprobs, prompt_logprobs)
+        self.tools = tools
+        self.readers: dict[int, ToolCallReader] = {}  # streamed choices' readers, by choice index
 
     def opening(self, choice: Choice) -> dict[str, Any]:
         return {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
     def choice(self, choice: Choice) -> dict[str, Any]:
-        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": self._logprobs(choice.logprobs), "finish_reason": choice.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        finish = choice.finish_reason
+        if self.tools:
+            content, calls = read_tool_calls(choice.text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [
+                    {"id": _call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in calls
+                ]}
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": choice.index, "message": message, "logprobs": self._logprobs(choice.logprobs),
+                "finish_reason": finish}
 
     def extra(self, choices: list[Choice]) -> dict[str, Any]:
         if self.prompt_logprobs is None:
@@ -269,14 +291,38 @@ class _Chat(_Format):
         return {"prompt_logprobs": vllm_prompt_logprobs(self.tokenizer, choices[0].prompt_logprobs or [], self.prompt_logprobs)}
 
     def delta(self, choice: Choice, out: StepOutput) -> dict[str, Any] | None:
-        if not (out.text or out.finished):
+        delta: dict[str, Any] = {"content": out.text} if out.text else {}
+        finish = choice.finish_reason
+        if self.tools:
+            reader = self.readers.setdefault(choice.index, ToolCallReader())
+            content, events = reader.feed(out.text, final=out.finished)
+            delta = {"content": content} if content else {}
+            if events:
+                delta["tool_calls"] = _call_deltas(events)
+            if reader.calls and finish == "stop":
+                finish = "tool_calls"
+        if not (delta or out.finished):
             return None
-        return {"index": choice.index, "delta": {"content": out.text} if out.text else {},
-                "logprobs": self._logprobs(out.logprobs or []),
-                "finish_reason": choice.finish_reason if out.finished else None}
+        return {"index": choice.index, "delta": delta, "logprobs": self._logprobs(out.logprobs or []),
+                "finish_reason": finish if out.finished else None}
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
         return chat_logprobs(self.tokenizer, entries) if self.logprobs else None
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_deltas(events: list[tuple[int, str | None, str]]) -> list[dict[str, Any]]:
+    """Streamed tool-call deltas: one per call that moved, its id and name when it starts."""
+    deltas: dict[int, dict[str, Any]] = {}
+    for index, name, piece in events:
+        if index not in deltas:  # a call's name comes in its first event
+            start = {"id": _call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
+            deltas[index] = {"index": index, **(start if name is not None else {"function": {"arguments": ""}})}
+        deltas[index]["function"]["arguments"] += piece
+    return list(deltas.values())
 
 
 # -- the endpoints ----------------------------------------------------------------------------
@@ -318,13 +364,16 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     state, loaded = _ready(request, body)
+    tool_use = body.tool_use()
+    # The prompt shows the tools unless the answer may not call them (tool_choice "none").
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if tool_use is not None else None
     try:
-        ids = loaded.tokenizer.encode_chat(body.chat())
+        ids = loaded.tokenizer.encode_chat(body.chat(), tools=tools)
     except Exception as exc:  # the template raised: say what it said
         raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages",
                        code="invalid_value") from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    fmt = _Chat(loaded.tokenizer, body.logprobs, body.prompt_logprobs)
+    fmt = _Chat(loaded.tokenizer, body.logprobs, body.prompt_logprobs, tools=tool_use is not None)
     return await _serve(state, request, loaded, body, fmt, [ids], "messages", logprobs, body.prompt_logprobs)
 
 

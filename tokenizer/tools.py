@@ -1,0 +1,181 @@
+"""Tool calls: the prompt that describes the tools, the grammar of a call, and reading calls back.
+
+Output format (Hermes / Qwen2.5 style, what chat templates with tool support mostly use): each
+call is a compact JSON object, name first, in tags, calls one per line::
+
+    <tool_call>
+    {"name":"get_weather","arguments":{"city":"Paris"}}
+    </tool_call>
+
+``tool_grammar`` makes that format a grammar (llguidance Lark with an inline JSON schema for each
+function's arguments), so arguments always parse and validate against their function's schema, and the
+tokens the grammar leaves no choice about (the tags, the name after its first letters, keys)
+are forced. With ``tool_choice: "auto"`` the grammar itself decides between text and calls: an
+answer either starts with ``<tool_call>`` or is text whose first character is not ``<``.
+
+``tool_messages`` renders tools and tool traffic for a chat template without tool support: the
+tool prompt joins the system message, an assistant's calls become the tagged blocks above, and a
+``tool`` message becomes a user message in ``<tool_response>`` tags. ``ToolCallReader`` reads the
+generated text back as content or calls, incrementally (for streaming) or at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+OPEN = "<tool_call>\n"
+CLOSE = "\n</tool_call>"
+
+TOOL_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def tool_prompt(tools: list[dict[str, Any]]) -> str:
+    """The system prompt part that describes ``tools`` (OpenAI tool objects)."""
+    return TOOL_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+
+
+def tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """``messages`` (with OpenAI's ``tool_calls`` and ``tool`` roles) as plain role/content
+    messages, with the tool prompt (when ``tools``) at the end of the system message."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+        elif m.get("tool_calls"):
+            calls = [call_text(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(([m["content"]] if m["content"] else []) + calls)})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + tool_prompt(tools)}
+        else:
+            out.insert(0, {"role": "system", "content": tool_prompt(tools)})
+    return out
+
+
+def call_text(name: str, arguments: str) -> str:
+    """One call in the output format (``arguments``: a JSON text, as OpenAI sends it)."""
+    return f'{OPEN}{{"name":{json.dumps(name)},"arguments":{arguments}}}{CLOSE}'
+
+
+def tool_grammar(functions: list[dict[str, Any]], required: bool, parallel: bool) -> str:
+    """The llguidance Lark grammar of the answer: calls of ``functions`` (OpenAI function objects:
+    name, parameters), one or (``parallel``) more; unless ``required``, text instead.
+
+    Each function's parameters stay the root of their own inline JSON schema (``%json``), so that
+    the schema's own references (``#/definitions/...``) resolve as written."""
+    rules = []
+    for i, f in enumerate(functions):
+        # Compact JSON: more of each call is forced, and a small model cannot wander off in
+        # whitespace.
+        schema = {**(f.get("parameters") or {"type": "object"}), "x-guidance": {"whitespace_flexible": False}}
+        head = f'{OPEN}{{"name":{json.dumps(f["name"])},"arguments":'
+        rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema)} {json.dumps('}' + CLOSE)}")
+    lines = [
+        "start: calls" if required else 'start: calls | TEXT | ""',
+        'calls: call ("\\n" call)*' if parallel else "calls: call",
+        "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
+        *rules,
+    ]
+    if not required:
+        lines.append(r"TEXT: /[^<](.|\n)*/")
+    return "\n".join(lines)
+
+
+_HEAD = re.compile(r'\{"name":("(?:[^"\\]|\\.)*"),"arguments":')
+_TAIL = "}" + CLOSE
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str = ""  # JSON text, as generated
+    complete: bool = False
+
+
+@dataclass
+class ToolCallReader:
+    """Reads generated text as content or tool calls. ``feed`` appends text and returns what it
+    made sure of: (content, [(call index, name or None, arguments text)]) where a name comes
+    once, when its call starts, and arguments in pieces. Text held back: up to the end of a
+    call's arguments (which ``finish`` releases)."""
+
+    text: str = ""
+    is_calls: bool | None = None  # None: undecided until the first character
+    calls: list[ToolCall] = field(default_factory=list)
+    _pos: int = 0  # of ``text``: what is read
+    _in_arguments: bool = False
+
+    def feed(self, new: str, final: bool = False) -> tuple[str, list[tuple[int, str | None, str]]]:
+        self.text += new
+        if self.is_calls is None:
+            if self.text.startswith(OPEN):
+                self.is_calls = True
+            elif final or not OPEN.startswith(self.text):
+                self.is_calls = False
+            else:  # nothing yet, or the start of the tag
+                return "", []
+        if not self.is_calls:
+            content, self._pos = self.text[self._pos :], len(self.text)
+            return content, []
+        events = self._read_calls(final)
+        if final and not self.calls:  # cut off before the first call's name: it is text after all
+            self.is_calls = False
+            return self.text, []
+        return "", events
+
+    def _read_calls(self, final: bool) -> list[tuple[int, str | None, str]]:
+        events: list[tuple[int, str | None, str]] = []
+        while True:
+            if not self._in_arguments:
+                rest = self.text[self._pos :]
+                start = rest.find(OPEN)
+                if start < 0:
+                    return events
+                head = _HEAD.match(rest, start + len(OPEN))
+                if head is None:
+                    return events
+                self.calls.append(ToolCall(json.loads(head.group(1))))
+                events.append((len(self.calls) - 1, self.calls[-1].name, ""))
+                self._pos += head.end()
+                self._in_arguments = True
+            call = self.calls[-1]
+            end = self.text.find(_TAIL, self._pos)
+            if end < 0:
+                # The arguments' last characters may be the closing brace and tag: hold them back.
+                upto = len(self.text) if final else max(self._pos, len(self.text) - len(_TAIL))
+                piece, self._pos = self.text[self._pos : upto], upto
+                call.arguments += piece
+                if piece:
+                    events.append((len(self.calls) - 1, None, piece))
+                return events
+            piece = self.text[self._pos : end]
+            call.arguments += piece
+            call.complete = True
+            if piece:
+                events.append((len(self.calls) - 1, None, piece))
+            self._pos = end + len(_TAIL)
+            self._in_arguments = False
+
+
+def read_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole answer: content is the text when it holds no calls."""
+    reader = ToolCallReader()
+    reader.feed(text, final=True)
+    return (None, reader.calls) if reader.calls else (text, [])
