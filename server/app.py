@@ -103,10 +103,11 @@ def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
     app.state.parrot = state
     install_error_handlers(app)
 
-    from server.routes import dashboard, openai_api, system, tasks, tokens
+    from server.routes import dashboard, openai_api, responses, system, tasks, tokens
 
     app.include_router(system.router)
     app.include_router(openai_api.router)
+    app.include_router(responses.router)
     app.include_router(tasks.router)
     app.include_router(tokens.router)
     app.include_router(dashboard.router)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -68,7 +69,11 @@ def _param_of(loc: tuple[Any, ...]) -> str | None:
 
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first pydantic problem, said plainly, with the parameter it concerns."""
-    errors = exc.errors()
+    return validation_error_of(exc.errors())
+
+
+def validation_error_of(errors: Sequence[Any]) -> APIError:
+    """``validation_error`` of pydantic's error list (of a request or of a model built from one)."""
     if not errors:
         return APIError(400, "invalid request")
     first = errors[0]

@@ -91,7 +91,7 @@ def sampling_params(req: _GenerationFields, max_tokens: int, logprobs: int | Non
         raise APIError(400, str(exc), code="invalid_value") from None
 
 
-def _truncate(ids: list[int], req: _GenerationFields) -> list[int]:
+def truncate_prompt(ids: list[int], req: _GenerationFields) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: keep the last k prompt tokens."""
     k = req.truncate_prompt_tokens
     return ids[-k:] if k is not None and len(ids) > k else ids
@@ -328,7 +328,7 @@ def _call_deltas(events: list[tuple[int, str | None, str]]) -> list[dict[str, An
 # -- the endpoints ----------------------------------------------------------------------------
 
 
-def _ready(request: Request, body: _GenerationFields) -> tuple[ServerState, LoadedModel]:
+def ready(request: Request, body: _GenerationFields) -> tuple[ServerState, LoadedModel]:
     """The state and the loaded model, once the model is ready, the parameters are supported and
     the model named is the one served."""
     state = state_of(request)
@@ -340,7 +340,7 @@ def _ready(request: Request, body: _GenerationFields) -> tuple[ServerState, Load
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
-    state, loaded = _ready(request, body)
+    state, loaded = ready(request, body)
     vocab_size = loaded.forward.vocab_size
     prompts: list[list[int]] = []
     for p in body.prompts():
@@ -363,30 +363,30 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
-    state, loaded = _ready(request, body)
+    state, loaded = ready(request, body)
+    ids, tools = chat_prompt(loaded, body)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    fmt = _Chat(loaded.tokenizer, body.logprobs, body.prompt_logprobs, tools=tools)
+    return await _serve(state, request, loaded, body, fmt, [ids], "messages", logprobs, body.prompt_logprobs)
+
+
+def chat_prompt(loaded: LoadedModel, body: ChatCompletionRequest) -> tuple[list[int], bool]:
+    """The prompt ids of a chat request, and whether its answer may call tools."""
     tool_use = body.tool_use()
     # The prompt shows the tools unless the answer may not call them (tool_choice "none").
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if tool_use is not None else None
     try:
-        ids = loaded.tokenizer.encode_chat(body.chat(), tools=tools)
+        return loaded.tokenizer.encode_chat(body.chat(), tools=tools), tool_use is not None
     except Exception as exc:  # the template raised: say what it said
         raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages",
                        code="invalid_value") from None
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    fmt = _Chat(loaded.tokenizer, body.logprobs, body.prompt_logprobs, tools=tool_use is not None)
-    return await _serve(state, request, loaded, body, fmt, [ids], "messages", logprobs, body.prompt_logprobs)
 
 
-async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: CompletionRequest | ChatCompletionRequest,
-                 fmt: _Format, prompts: list[list[int]], param: str, logprobs: int | None,
-                 prompt_logprobs: int | None) -> JSONResponse | StreamingResponse:
-    """Generate ``body.n`` choices for each prompt (token ids before ``truncate_prompt_tokens``),
-    then answer in one response or as server-sent events, shaped by ``fmt``. ``logprobs`` and
-    ``prompt_logprobs``: how many top tokens the engine reports at each output and prompt token."""
-    kept = [_truncate(ids, body) for ids in prompts]
-    fmt.prompts = [ids for ids in kept for _ in range(body.n)]
-    prompt_tokens = sum(len(ids) for ids in kept)
-    truncation = _truncation(body, sum(len(ids) for ids in prompts), prompt_tokens)
+async def generation_requests(state: ServerState, loaded: LoadedModel, body: CompletionRequest | ChatCompletionRequest,
+                              kept: list[list[int]], param: str, logprobs: int | None,
+                              prompt_logprobs: int | None) -> tuple[list[GenerationRequest], list[int] | None]:
+    """The engine requests of ``body.n`` choices for each prompt (ids after truncation), and the
+    prediction's ids (if any)."""
     vocab_size = loaded.forward.vocab_size
     params = [sampling_params(body, check_context(loaded, len(ids), body.token_limit(), param), logprobs,
                               prompt_logprobs, vocab_size) for ids in kept]
@@ -400,6 +400,20 @@ async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: C
         for ids, prompt_params in zip(kept, params)
         for j in range(body.n)
     ]
+    return requests, prediction
+
+
+async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: CompletionRequest | ChatCompletionRequest,
+                 fmt: _Format, prompts: list[list[int]], param: str, logprobs: int | None,
+                 prompt_logprobs: int | None) -> JSONResponse | StreamingResponse:
+    """Generate ``body.n`` choices for each prompt (token ids before ``truncate_prompt_tokens``),
+    then answer in one response or as server-sent events, shaped by ``fmt``. ``logprobs`` and
+    ``prompt_logprobs``: how many top tokens the engine reports at each output and prompt token."""
+    kept = [truncate_prompt(ids, body) for ids in prompts]
+    fmt.prompts = [ids for ids in kept for _ in range(body.n)]
+    prompt_tokens = sum(len(ids) for ids in kept)
+    truncation = _truncation(body, sum(len(ids) for ids in prompts), prompt_tokens)
+    requests, prediction = await generation_requests(state, loaded, body, kept, param, logprobs, prompt_logprobs)
     response_id, created = new_id(fmt.id_prefix), int(time.time())
 
     def envelope(kind: str) -> dict[str, Any]:
