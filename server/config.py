@@ -64,11 +64,16 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     prefill_chunk: int = 512
     prefill_chunk_busy: int = 128
+    # Cross-request drafting (server/sessions.py): opt-in here, then per request.
+    session_drafting: bool = False
+    session_tokens: int = 8192
+    session_tenants: int = 256
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("server.port must be in [0, 65535]")
-        for name in ("max_queue", "max_running", "max_body_bytes", "prefill_chunk", "prefill_chunk_busy"):
+        for name in ("max_queue", "max_running", "max_body_bytes", "prefill_chunk", "prefill_chunk_busy",
+                     "session_tokens", "session_tenants"):
             if getattr(self, name) < 1:
                 raise ValueError(f"server.{name} must be >= 1")
         if self.request_timeout_s <= 0:

@@ -66,6 +66,7 @@ class SpeculationOptions(_Strict):
     enabled: bool = True
     max_draft: int | None = Field(default=None, ge=0, le=64)
     fast_forward: bool = True
+    session: bool = False  # draft from the tenant's earlier requests too (server.session_drafting)
 
 
 class StreamOptions(_Strict):

@@ -15,6 +15,7 @@ from server.engine.loader import LoadedModel
 from server.engine.scheduler import Scheduler
 from server.errors import APIError
 from server.metrics import Metrics
+from server.sessions import SessionStore
 from server.stats import StatsCollector
 
 
@@ -30,8 +31,14 @@ class ServerState:
     scheduler: Scheduler | None = None
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
+    sessions: SessionStore | None = None  # cross-request drafting, when the config turns it on
     _grammar: Any = None
     _grammar_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        server = self.config.server
+        if server.session_drafting and self.sessions is None:
+            self.sessions = SessionStore(server.session_tenants, server.session_tokens)
 
     def grammar_compiler(self) -> Any:
         """The GrammarCompiler for the served tokenizer (built on first use: about 1 s)."""

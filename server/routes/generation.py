@@ -19,6 +19,7 @@ from server.engine.loader import LoadedModel
 from server.engine.scheduler import EngineError, QueueFull, RequestHandle, Scheduler
 from server.errors import APIError
 from server.schemas import SpeculationOptions, _GenerationFields
+from server.sessions import tenant_of
 from server.state import ServerState
 from tokenizer.grammar import Grammar, GrammarError
 
@@ -57,6 +58,31 @@ def check_context(loaded: LoadedModel, prompt_tokens: int, max_tokens: int | Non
             code="context_length_exceeded",
         )
     return max_tokens
+
+
+def session_of(state: ServerState, http: Request, body: _GenerationFields) -> str | None:
+    """The tenant whose earlier texts this request drafts from (and joins), or None: it did not
+    ask (``speculation.session``). 400 when it asks but the server has it off or it has no tenant."""
+    if body.speculation is None or not body.speculation.session:
+        return None
+    if state.sessions is None:
+        raise APIError(400, "session drafting is off on this server (server.session_drafting)",
+                       param="speculation.session", code="invalid_value")
+    tenant = tenant_of(http, body.user)
+    if tenant is None:
+        raise APIError(400, "session drafting needs a tenant: send an API key or 'user'", param="speculation.session",
+                       code="invalid_value")
+    return tenant
+
+
+def remember(state: ServerState, tenant: str | None, prompts: list[list[int]], choices: list[Choice]) -> None:
+    """Add a finished request's prompts and outputs to its tenant's session (each prompt once,
+    with its first choice; ``choices`` hold the n choices of each prompt in turn)."""
+    if tenant is None or state.sessions is None:
+        return
+    n = len(choices) // len(prompts)
+    for i, choice in enumerate(choices):
+        state.sessions.add(tenant, (prompts[i // n] if i % n == 0 else []) + choice.token_ids)
 
 
 def speculation_params(options: SpeculationOptions | None) -> SpeculationParams:

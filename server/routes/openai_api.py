@@ -37,6 +37,8 @@ from server.routes.generation import (
     compile_constraint,
     grammar_state,
     new_id,
+    remember,
+    session_of,
     speculation_params,
     stream_outputs,
     usage,
@@ -383,10 +385,10 @@ def chat_prompt(loaded: LoadedModel, body: ChatCompletionRequest) -> tuple[list[
 
 
 async def generation_requests(state: ServerState, loaded: LoadedModel, body: CompletionRequest | ChatCompletionRequest,
-                              kept: list[list[int]], param: str, logprobs: int | None,
-                              prompt_logprobs: int | None) -> tuple[list[GenerationRequest], list[int] | None]:
+                              kept: list[list[int]], param: str, logprobs: int | None, prompt_logprobs: int | None,
+                              session: list[list[int]]) -> tuple[list[GenerationRequest], list[int] | None]:
     """The engine requests of ``body.n`` choices for each prompt (ids after truncation), and the
-    prediction's ids (if any)."""
+    prediction's ids (if any). ``session``: earlier texts of the tenant, to draft from."""
     vocab_size = loaded.forward.vocab_size
     params = [sampling_params(body, check_context(loaded, len(ids), body.token_limit(), param), logprobs,
                               prompt_logprobs, vocab_size) for ids in kept]
@@ -394,8 +396,9 @@ async def generation_requests(state: ServerState, loaded: LoadedModel, body: Com
     spec = speculation_params(body.speculation)
     grammar = await compile_constraint(state, body)
     # Choice j of each prompt draws its own random numbers (with a seed: keyed by the seed and j).
+    context = ([prediction] if prediction else []) + session
     requests = [
-        GenerationRequest(ids, dataclasses.replace(prompt_params, choice=j), spec, [prediction] if prediction else [],
+        GenerationRequest(ids, dataclasses.replace(prompt_params, choice=j), spec, context,
                           grammar_state(state, grammar, spec))
         for ids, prompt_params in zip(kept, params)
         for j in range(body.n)
@@ -413,7 +416,9 @@ async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: C
     fmt.prompts = [ids for ids in kept for _ in range(body.n)]
     prompt_tokens = sum(len(ids) for ids in kept)
     truncation = _truncation(body, sum(len(ids) for ids in prompts), prompt_tokens)
-    requests, prediction = await generation_requests(state, loaded, body, kept, param, logprobs, prompt_logprobs)
+    tenant = session_of(state, http, body)
+    session = state.sessions.context(tenant) if tenant is not None and state.sessions is not None else []
+    requests, prediction = await generation_requests(state, loaded, body, kept, param, logprobs, prompt_logprobs, session)
     response_id, created = new_id(fmt.id_prefix), int(time.time())
 
     def envelope(kind: str) -> dict[str, Any]:
@@ -421,6 +426,7 @@ async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: C
 
     if not body.stream:
         choices = await collect(state, http, requests, fmt.path)
+        remember(state, tenant, kept, choices)
         _count_prediction(state, prediction, choices)
         return JSONResponse({**envelope(fmt.response_object), "choices": [fmt.choice(c) for c in choices],
                              "usage": usage(prompt_tokens, choices, prediction), **truncation, **fmt.extra(choices)})
@@ -439,6 +445,7 @@ async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: C
             delta = fmt.delta(choice, out)
             if delta is not None:
                 yield chunk([delta])
+        remember(state, tenant, kept, choices)
         if body.stream_options is not None and body.stream_options.include_usage:
             _count_prediction(state, prediction, choices)
             yield chunk([], usage=usage(prompt_tokens, choices, prediction), **truncation)

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.engine.engine import StepOutput
 from server.errors import APIError
-from server.routes.generation import Choice, collect, new_id, stream_outputs, usage
+from server.routes.generation import Choice, collect, new_id, remember, session_of, stream_outputs, usage
 from server.routes.openai_api import chat_prompt, generation_requests, ready, truncate_prompt
 from server.schemas_responses import ResponsesRequest
 from tokenizer.tools import ToolCallReader, read_tool_calls
@@ -102,10 +102,13 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     state, loaded = ready(request, chat)
     ids, tools = chat_prompt(loaded, chat)
     ids = truncate_prompt(ids, chat)
-    requests, _ = await generation_requests(state, loaded, chat, [ids], "input", None, None)
+    tenant = session_of(state, request, chat)
+    session = state.sessions.context(tenant) if tenant is not None and state.sessions is not None else []
+    requests, _ = await generation_requests(state, loaded, chat, [ids], "input", None, None, session)
     response = _Response(body, loaded.name, len(ids))
     if not body.stream:
         choice = (await collect(state, request, requests, PATH))[0]
+        remember(state, tenant, [ids], [choice])
         return JSONResponse(response.object(_status(choice), _output(choice, tools), choice))
     choices, outputs = await stream_outputs(state, requests, PATH)
     events = _Events(response, tools)
@@ -117,6 +120,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
             async for choice, out in outputs:
                 for event in events.add(choice, out):
                     yield event
+            remember(state, tenant, [ids], choices)
         except APIError as exc:  # after the stream started: an error event, as chat sends one
             yield _sse("error", {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param})
 
