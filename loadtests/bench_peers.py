@@ -325,7 +325,8 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"Against transformers float32 (same de-quantised weights, {numerics['prompts']} prompts): "
                      f"{numerics['identical']} identical greedy outputs; max |logit difference| "
                      f"{numerics['max_logit_diff']:.2g}; top-2 gaps at divergences: {gaps} "
-                     f"({numerics['near_ties']} within {numerics['near_tie_threshold']:g})")
+                     f"({numerics['near_ties']} within twice their prompt's logit difference; "
+                     f"{numerics.get('activations', 'q8')} activations)")
     return "\n".join(lines)
 
 

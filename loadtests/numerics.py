@@ -2,11 +2,14 @@
 
 A numerics check, not the exactness contract (that is drafting on = drafting off, which the
 kernels guarantee bit for bit): Parrot's kernels add in other orders than transformers' GEMMs,
-so logits differ in their low bits and greedy outputs can part where the top two logits are
-nearly tied. For each prompt: Parrot greedy with drafting (the engine as served) against
-transformers greedy; at the first divergence, transformers' top-2 logit gap there; and the
-largest |logit difference| between Parrot's decoding passes and one transformers forward over
-the same tokens.
+and with 8-bit activations (model.activations = q8, the default) round each layer's input to 8
+bits per 32 values as llama.cpp does, so logits differ (float32: in their low bits; q8: by up to
+about 1 on the embedded model) and greedy outputs can part where the two tokens are within that
+difference. For each prompt: Parrot greedy with drafting (the engine as served) against
+transformers greedy; the largest |logit difference| between Parrot's decoding passes and one
+transformers forward over the same tokens; at the first divergence, transformers' gap between
+the two tokens, a near-tie when it is at most twice that prompt's largest logit difference
+(each logit moved by at most that much, so their gap by at most twice).
 
     python -m loadtests.numerics --prompts 10
 """
@@ -24,7 +27,7 @@ from loadtests.bench_engine import DATA
 TASKS = ["summarization", "context_qa", "grammar", "code_edit", "open_chat"]
 
 
-def compare(prompts: list[str], max_tokens: int = 64, near_tie: float = 1e-3) -> dict[str, Any]:
+def compare(prompts: list[str], max_tokens: int = 64, activations: str = "q8") -> dict[str, Any]:
     from server.config import DraftingConfig, ModelConfig
     from server.engine.costmodel import measure_cost_curve
     from server.engine.engine import Engine, GenerationRequest
@@ -32,7 +35,8 @@ def compare(prompts: list[str], max_tokens: int = 64, near_tie: float = 1e-3) ->
     from server.engine.sampling import SamplingParams
 
     source, tokenizer, hf_model = load_transformers(ModelConfig())
-    loaded = prepare(hf_model, tokenizer, source.display_name, blocks=gguf_blocks(source, hf_model))
+    loaded = prepare(hf_model, tokenizer, source.display_name, blocks=gguf_blocks(source, hf_model),
+                     activations=activations)
     forward = loaded.forward
     drafting = DraftingConfig()
     engine = Engine(forward, tokenizer, drafting, measure_cost_curve(forward, drafting.max_draft + 1, repeats=3))
@@ -62,12 +66,12 @@ def compare(prompts: list[str], max_tokens: int = 64, near_tie: float = 1e-3) ->
                 with torch.inference_mode():
                     logits = hf_model(torch.tensor([ids + reference[:at]])).logits[0, -1]
                 gap = abs(float(logits[reference[at]] - logits[ours[at]]))
-                row.update(divergence=at, gap=gap, near_tie=gap <= near_tie)
+                row.update(divergence=at, gap=gap, near_tie=gap <= 2 * max_diff)
         rows.append(row)
     diverged = [r for r in rows if not r["identical"]]
     return {
         "prompts": len(rows), "identical": len(rows) - len(diverged), "near_ties": sum(r["near_tie"] for r in diverged),
-        "max_logit_diff": max(r["max_logit_diff"] for r in rows), "near_tie_threshold": near_tie,
+        "max_logit_diff": max(r["max_logit_diff"] for r in rows), "activations": activations,
         "divergence_gaps": [r["gap"] for r in diverged], "rows": rows,
     }
 
@@ -84,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--per-task", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--activations", default="q8", choices=("q8", "float32"))
     args = parser.parse_args(argv)
-    result = compare(prompts_per_task(args.per_task), args.max_tokens)
+    result = compare(prompts_per_task(args.per_task), args.max_tokens, args.activations)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
     return 0
 

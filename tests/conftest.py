@@ -57,6 +57,22 @@ def embedded_engine(embedded_transformers):
 
 
 @pytest.fixture(scope="session")
+def embedded_engine_float32(embedded_transformers, embedded_engine):
+    """The embedded model with float32 activations in the block kernels (model.activations =
+    float32): the configuration whose logits follow transformers float32 to ~1e-4."""
+    from server.engine.costmodel import measure_cost_curve
+    from server.engine.engine import Engine
+    from server.engine.loader import gguf_blocks, prepare, resolve_source
+
+    tokenizer, hf_model = embedded_transformers
+    blocks = gguf_blocks(resolve_source("embedded"), hf_model)
+    loaded = prepare(hf_model, tokenizer, "SmolLM2-135M-Instruct", blocks=blocks, activations="float32")
+    drafting = embedded_engine.drafting
+    cost = measure_cost_curve(loaded.forward, drafting.max_draft + 1, repeats=1)
+    return Engine(loaded.forward, tokenizer, drafting, cost)
+
+
+@pytest.fixture(scope="session")
 def token_budget(embedded_tokenizer):
     """TokenBudget over the embedded tokenizer, default settings."""
     from tokenizer import TokenBudget

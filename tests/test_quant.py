@@ -156,3 +156,19 @@ def test_q8_kernels_are_exact_products_of_the_rounded_rows(isa, kind):
     together = kernels(isa).linear(x, w, q8=True)
     for start, stop in ((0, 1), (2, 4), (3, 7), (1, 9), (4, 13)):
         assert torch.equal(kernels(isa).linear(x[start:stop], w, q8=True), together[start:stop])
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+def test_rows_of_every_block_format_are_the_gguf_reference_rows(isa, kind):
+    # The embedding of a tied model is read from the LM head's blocks, one token row at a time.
+    size, weights = FORMATS[kind]
+    k = 2 * max(weights, 64)
+    generator = torch.Generator().manual_seed(5)
+    data = torch.randint(0, 256, (40, k // weights * size), generator=generator, dtype=torch.uint8)
+    w = BlockWeight(kind, data)
+    index = torch.tensor([7, 0, 39, 7, 12])
+    ours, reference = kernels(isa).rows(w, index), w.dequantize()[index]
+    assert torch.equal(ours.nan_to_num(), reference.nan_to_num())  # random bytes hold NaN weights too
+    with pytest.raises(ValueError, match="out of range"):
+        kernels(isa).rows(w, torch.tensor([40]))

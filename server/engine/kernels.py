@@ -95,7 +95,7 @@ class ModelDesc(ctypes.Structure):
         ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
         ("vocab", ctypes.c_int64), ("max_positions", ctypes.c_int64),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("threads", ctypes.c_int32), ("q8", ctypes.c_int32),
-        ("embed", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+        ("embed", ctypes.c_void_p), ("embed_blocks", ctypes.POINTER(Mat)), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
         ("lm_head", Mat), ("layers", ctypes.POINTER(LayerDesc)),
     ]
 
@@ -135,6 +135,7 @@ class Kernels:
         lib.parrot_attention_supports.argtypes = [ctypes.c_int64] * 3
         lib.parrot_forward.argtypes = [ctypes.POINTER(ModelDesc), ctypes.c_int64, ctypes.POINTER(SeqDesc),
                                        ctypes.c_void_p, ctypes.c_void_p]
+        lib.parrot_rows.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         lib.parrot_isa.restype = ctypes.c_char_p
         lib.parrot_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         lib.parrot_read.restype = ctypes.c_float
@@ -159,6 +160,16 @@ class Kernels:
             chain = mats(parts, bias)
             self._lib.parrot_linear(ctypes.byref(chain[0]), x.data_ptr(), x.shape[0], y.data_ptr(), self.threads(), int(q8))
         return y
+
+    def rows(self, weight: "BlockWeight", rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (int64) of ``weight``, de-quantised: [len(rows), K] float32."""
+        index = rows.to(torch.int64).contiguous()
+        if index.numel() and not (0 <= int(index.min()) and int(index.max()) < weight.shape[0]):
+            raise ValueError(f"row index out of range for {weight.shape[0]} rows")
+        out = torch.empty(index.numel(), weight.shape[1])
+        chain = mats([weight])
+        self._lib.parrot_rows(ctypes.byref(chain[0]), index.data_ptr(), index.numel(), out.data_ptr())
+        return out
 
     def attention_supports(self, head_dim: int, heads: int, kv_heads: int) -> bool:
         return bool(self._lib.parrot_attention_supports(head_dim, heads, kv_heads))

@@ -22,6 +22,7 @@ all their new tokens together and attention runs per sequence.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,8 +35,13 @@ from server.engine.quant import BlockWeight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Rows per sequence up to which the block kernels beat float32 GEMM (measured on the embedded
-# model); longer prompt chunks go through GEMM.
+# model): for models without the whole compiled pass, longer prompt chunks go through GEMM.
 SMALL_ROWS = 32
+# Where the whole pass is compiled, every row goes through it (a row's arithmetic must not depend
+# on how its prompt was chunked: with 8-bit activations GEMM rows differ by ~1 logit), longer
+# chunks in pieces of PIECE rows per sequence (bounding the attention kernel's scratch, which
+# grows with rows x context).
+PIECE = 64
 
 
 def native_support(hf_model: Any) -> str | None:
@@ -85,13 +91,15 @@ class Linear:
 
     def __init__(self, names: Sequence[str], modules: Sequence[torch.nn.Linear], blocks: dict[str, BlockWeight],
                  kernels: Kernels | None, q8: bool = False) -> None:
-        weight = torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight
         biases = [m.bias for m in modules]
         self.bias = None
         if any(b is not None for b in biases):
             self.bias = torch.cat([b if b is not None else m.weight.new_zeros(m.out_features)
                                    for m, b in zip(modules, biases)]).detach().contiguous()
-        self.dense = PackedLinear(weight, self.bias)
+        # The float32 weights, packed for GEMM when first needed (never, where every pass is
+        # compiled: LlamaForward then drops the modules and the model's float32 weights can go).
+        self.modules: Sequence[torch.nn.Linear] | None = modules
+        self._dense: PackedLinear | None = None
         self.kernels = kernels
         self.q8 = q8
         # Block weights, as parts along N: consecutive ones of one format fused (Q4_K_M files
@@ -106,6 +114,14 @@ class Linear:
                 else:
                     self.blocks.append(part)
         self._mats: list[Any] = []
+
+    @property
+    def dense(self) -> PackedLinear:
+        if self._dense is None:
+            assert self.modules is not None, "float32 weights were dropped"
+            weight = torch.cat([m.weight for m in self.modules]) if len(self.modules) > 1 else self.modules[0].weight
+            self._dense = PackedLinear(weight, self.bias)
+        return self._dense
 
     def __call__(self, x: torch.Tensor, small: bool = False) -> torch.Tensor:
         if small and self.blocks is not None and self.kernels is not None:
@@ -242,7 +258,7 @@ class LlamaForward:
         q8 = activations == "q8"
         blocks = blocks or {}
         with torch.inference_mode():
-            self.embed = inner.embed_tokens.weight.detach().contiguous()
+            self.embed: torch.Tensor | None = inner.embed_tokens.weight.detach().contiguous()
             self.layers = [_Layer(i, layer, blocks, kernels, q8) for i, layer in enumerate(inner.layers)]
             self.final_norm = inner.norm.weight.detach().contiguous()
             self.lm_head = Linear(["lm_head.weight"], [hf_model.lm_head], blocks, kernels, q8)
@@ -258,9 +274,17 @@ class LlamaForward:
         self.native: ModelDesc | None = None
         if self.block_kernels and self.attention_kernel is not None and self.lm_head.blocks is not None:
             self.native = self._describe(config)
+            for linear in self._linears():
+                linear.modules = None
+            if self.native.embed_blocks:  # the tied LM head's blocks serve the embedding too
+                self.embed = None
 
     def _describe(self, config: Any) -> ModelDesc:
-        """The kernel library's view of the model; its pointers stay valid while self lives."""
+        """The kernel library's view of the model; its pointers stay valid while self lives.
+        With tied embeddings in one block format, token rows are expanded from the LM head's
+        blocks (the GGUF's token_embd), and no float32 embedding is kept."""
+        tied = getattr(config, "tie_word_embeddings", False) and self.lm_head.blocks is not None and len(self.lm_head.blocks) == 1
+        self._embed_mats = mats(self.lm_head.blocks[:1]) if tied and self.lm_head.blocks else []
         self._layer_descs = (LayerDesc * self.num_layers)(*[
             LayerDesc(layer.qkv.mat(), layer.o.mat(), layer.gate_up.mat(), layer.down.mat(),
                       layer.input_norm.data_ptr(), layer.post_norm.data_ptr())
@@ -270,16 +294,20 @@ class LlamaForward:
             num_layers=self.num_layers, hidden=config.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, intermediate=config.intermediate_size, vocab=self.vocab_size,
             max_positions=self.max_positions, eps=self.eps, scale=self.scale, threads=1, q8=int(self.activations == "q8"),
-            embed=self.embed.data_ptr(), cos=self.cos.data_ptr(), sin=self.sin.data_ptr(),
+            embed=None if self._embed_mats else self.embed.data_ptr(),
+            embed_blocks=ctypes.pointer(self._embed_mats[0]) if self._embed_mats else None,
+            cos=self.cos.data_ptr(), sin=self.sin.data_ptr(),
             final_norm=self.final_norm.data_ptr(), lm_head=self.lm_head.mat(), layers=self._layer_descs,
         )
+
+    def _linears(self) -> list[Linear]:
+        return [linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
     def pass_report(self, context: int) -> dict[str, float]:
         """What a one-token decoding pass at ``context`` cached positions must read (the block
         weights, or float32 ones without them, and the KV cache), the memory bandwidth measured
         now, and their ratio: the floor of the pass's time."""
-        linears = [linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        linears.append(self.lm_head)
+        linears = self._linears()
         weight_bytes = sum(sum(b.nbytes for b in lin.blocks) if lin.blocks is not None else lin.dense.nbytes
                            for lin in linears)
         kv_bytes = 2 * self.num_layers * self.num_kv_heads * context * self.head_dim * self.dtype.itemsize
@@ -313,16 +341,22 @@ class LlamaForward:
         """
         if self.native is None:
             return self._torch_forward(batch)
-        small = [i for i, (_, tokens, _) in enumerate(batch) if len(tokens) <= SMALL_ROWS]
-        large = [i for i, (_, tokens, _) in enumerate(batch) if len(tokens) > SMALL_ROWS]
-        results: list[torch.Tensor | None] = [None] * len(batch)
-        if small:
-            for i, logits in zip(small, self._native_forward([batch[i] for i in small])):
-                results[i] = logits
-        if large:
-            for i, logits in zip(large, self._torch_forward([batch[i] for i in large])):
-                results[i] = logits
-        return [r for r in results if r is not None]
+        # Pieces of at most PIECE tokens per sequence, one compiled pass per round of pieces;
+        # each piece asks for the logits of its rows among the sequence's last num_logits.
+        done = [0] * len(batch)
+        results: list[list[torch.Tensor]] = [[] for _ in batch]
+        while True:
+            round_: list[tuple[int, Sequence[int], int]] = []
+            for i, (_, tokens, num_logits) in enumerate(batch):
+                if done[i] < len(tokens):
+                    start, end = done[i], min(done[i] + PIECE, len(tokens))
+                    round_.append((i, tokens[start:end], end - max(start, min(end, len(tokens) - num_logits))))
+                    done[i] = end
+            if not round_:
+                break
+            for (i, _, _), logits in zip(round_, self._native_forward([(batch[i][0], p, k) for i, p, k in round_])):
+                results[i].append(logits)
+        return [torch.cat(r) if len(r) > 1 else r[0] for r in results]
 
     def _native_forward(self, batch: Sequence[tuple[KVCache, Sequence[int], int]]) -> list[torch.Tensor]:
         assert self.native is not None and self.kernels is not None
@@ -362,6 +396,7 @@ class LlamaForward:
         # Which rows go through the block kernel: those of sequences feeding few tokens.
         small = [n <= SMALL_ROWS for n in lengths]
         route = _Route.of(lengths, small, self.device)
+        assert self.embed is not None
         hidden = self.embed[ids]  # [tokens, hidden]
         for index, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer.input_norm)

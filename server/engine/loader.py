@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.util
 import json
@@ -227,14 +228,27 @@ def prepare(
     )
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS; 0 where /proc is not there)."""
+    try:
+        with open("/proc/self/status") as f:
+            line = next((line for line in f if line.startswith("VmRSS:")), "")
+    except OSError:
+        return 0
+    return int(line.split()[1]) * 1024 if line else 0
+
+
 def load_model(config: ModelConfig) -> LoadedModel:
     """Load the model named by ``config.source`` once; raise ModelNotFoundError if there is none."""
     begin = time.perf_counter()
+    baseline = resident_bytes()
     source, tokenizer, hf_model = load_transformers(config)
     blocks = gguf_blocks(source, hf_model) if config.backend != "hf" else {}
-    # The native forward keeps its own (packed) copies of the weights; the transformers model
-    # is dropped after this call unless the fallback backend uses it.
+    # Where every pass is compiled, the forward keeps the GGUF blocks (and the embedding, norms
+    # and rotary tables) only: the transformers model's float32 weights go with it here.
     loaded = prepare(hf_model, tokenizer, source.display_name, config.backend, blocks, config.activations)
+    del hf_model, blocks
+    gc.collect()
     loaded.load_seconds = time.perf_counter() - begin
     forward = loaded.forward
     if getattr(forward, "native", None) is not None:
@@ -247,4 +261,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         "loaded in %.1f s: backend %s, %s, context window %d",
         loaded.load_seconds, loaded.backend, kernels, loaded.context_window,
     )
+    gguf_size = os.path.getsize(os.path.join(source.path, source.gguf_file)) if source.gguf_file else 0
+    log.info("resident memory %.0f MB (%.0f MB before loading%s)", resident_bytes() / 2**20, baseline / 2**20,
+             f"; GGUF file {gguf_size / 2**20:.0f} MB" if gguf_size else "")
     return loaded

@@ -397,6 +397,17 @@ void linear_bytes(const W& w, const XQ& x, int64_t M, float* y, int64_t N, int64
   else qrun<8, 1>(w, x, M, y, N, ldy, threads);
 }
 
+template <class W>
+void expand_rows(const W& w, const int64_t* rows, int64_t count, float* out) {
+  const int64_t K = w.K;
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* blk = w.block(rows[i], b);
+      const Scales c = W::scales(blk, b);
+      for (int s = 0; s < PARTS; ++s) store(out + i * K + b * 32 + s * L, W::part(blk, b, s, c));
+    }
+}
+
 // One part of a layer: the 8-bit path when asked for and the format has one (xq is then the
 // quantised x), the float path otherwise.
 template <class W>
@@ -421,6 +432,26 @@ struct Mat {
   const float* bias;    // [N] or null
   const Mat* next;      // the next part along N, or null
 };
+
+// Rows `rows` of W (one part), de-quantised as the kernels expand them (the gguf reference's
+// values): out [count, K].
+void parrot_rows(const Mat* w, const int64_t* rows, int64_t count, float* out) {
+  const int64_t K = w->K;
+  switch (w->kind) {
+    case F32: expand_rows(F32W{{w->data, K}}, rows, count, out); break;
+    case F16: expand_rows(F16W{{w->data, K}}, rows, count, out); break;
+    case BF16: expand_rows(BF16W{{w->data, K}}, rows, count, out); break;
+    case Q4_0: expand_rows(Q4_0W{{w->data, K}}, rows, count, out); break;
+    case Q4_1: expand_rows(Q4_1W{{w->data, K}}, rows, count, out); break;
+    case Q5_0: expand_rows(Q5_0W{{w->data, K}}, rows, count, out); break;
+    case Q5_1: expand_rows(Q5_1W{{w->data, K}}, rows, count, out); break;
+    case Q8_0: expand_rows(Q8_0W{{w->data, K}}, rows, count, out); break;
+    case Q4_K: expand_rows(Q4_KW{{w->data, K}}, rows, count, out); break;
+    case Q5_K: expand_rows(Q5_KW{{w->data, K}}, rows, count, out); break;
+    case Q6_K: expand_rows(Q6_KW{{w->data, K}}, rows, count, out); break;
+    default: break;
+  }
+}
 
 // y = x @ W^T (+ bias) for x [M, K]; y [M, total N of the parts]. `q8`: quantise x to 8 bits
 // for the parts in integer formats (the 8-bit path above); 0: float32 throughout.
@@ -671,7 +702,8 @@ struct Model {
   float eps, scale;
   int32_t threads;
   int32_t q8;               // 8-bit activations for integer block formats (parrot_linear)
-  const float* embed;       // [vocab, hidden] float32 rows
+  const float* embed;       // [vocab, hidden] float32 rows, or null: rows of embed_blocks
+  const Mat* embed_blocks;  // the embedding in blocks (a tied LM head's), expanded per token
   const float* cos;         // [max_positions, head_dim]
   const float* sin;
   const float* final_norm;  // [hidden]
@@ -744,7 +776,11 @@ void parrot_forward(const Model* md, int64_t num_seqs, const Seq* seqs, const in
   for (int64_t s = 0; s < num_seqs; ++s) { M += seqs[s].n; rows_out += seqs[s].num_logits; }
   std::vector<float> hidden(M * H), x(M * H), tmp(M * H), qkv(M * qkv_width), att(M * q_width),
       gu(M * 2 * I), act(M * I);
-  for (int64_t i = 0; i < M; ++i) std::memcpy(&hidden[i * H], md->embed + ids[i] * H, H * sizeof(float));
+  if (md->embed != nullptr) {
+    for (int64_t i = 0; i < M; ++i) std::memcpy(&hidden[i * H], md->embed + ids[i] * H, H * sizeof(float));
+  } else {
+    parrot_rows(md->embed_blocks, ids, M, hidden.data());
+  }
 
   for (int64_t l = 0; l < md->num_layers; ++l) {
     const Layer& layer = md->layers[l];
