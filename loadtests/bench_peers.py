@@ -91,6 +91,15 @@ class Server:
         self.log.close()
 
 
+def resident(pid: int) -> int:
+    """Resident memory (VmRSS) of process ``pid``, bytes; 0 where /proc is not there."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+    except OSError:
+        return 0
+
+
 def stream_chat(url: str, prompt: str, max_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
     """One greedy streamed chat completion: token count, TTFT, decode and end-to-end times."""
     body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
@@ -210,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                                       peer_env()))
         for server in servers:
             server.wait()
+        memory = {"parrot_resident_after_start": resident(parrot.process.pid)}
         systems: dict[str, tuple[str, dict[str, Any]]] = {
             "parrot_on": (parrot.url, {"speculation": {"enabled": True}}),
             "parrot_off": (parrot.url, {"speculation": {"enabled": False}}),
@@ -242,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                     exact["identical"] += 1
                 else:
                     exact["different_ids"].append(row["id"])
+        memory["parrot_resident_after_requests"] = resident(parrot.process.pid)
+        if len(servers) > 1:
+            memory["llama_plain_resident_after_requests"] = resident(servers[1].process.pid)
     finally:
         for server in servers:
             server.stop()
@@ -269,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[name] = {task: rates([p["runs"][name] for p in per_prompt if p["task"] == task]) for task in TASKS}
         summary[name]["copy_tasks"] = rates([p["runs"][name] for p in per_prompt if p["task"] in COPY_TASKS])
     result = {**info, "systems": names, "summary": summary, "pass_costs": {"parrot": parrot_costs, "llama_cpp": llama_costs},
-              "exactness": exact, "numerics": numerics, "per_prompt": per_prompt}
+              "exactness": exact, "numerics": numerics, "memory": memory, "per_prompt": per_prompt}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(render(result))
     print(f"wrote {args.out}")
@@ -319,6 +332,14 @@ def render(result: dict[str, Any]) -> str:
     if exact["prompts"]:
         lines.append(f"Exactness: drafting on = off on {exact['identical']}/{exact['prompts']} prompts"
                      + (f" (different: {', '.join(exact['different_ids'])})" if exact["different_ids"] else ""))
+    memory = result.get("memory") or {}
+    if memory.get("parrot_resident_after_start"):
+        mb = {k: v / 2**20 for k, v in memory.items()}
+        lines.append(f"Resident memory: Parrot {mb['parrot_resident_after_start']:.0f} MB after start-up, "
+                     f"{mb.get('parrot_resident_after_requests', 0):.0f} MB after the requests"
+                     + (f" (llama.cpp plain {mb['llama_plain_resident_after_requests']:.0f} MB)"
+                        if "llama_plain_resident_after_requests" in mb else "")
+                     + f"; GGUF file {result['gguf_bytes'] / 2**20:.0f} MB")
     numerics = result.get("numerics")
     if numerics:
         gaps = ", ".join(f"{g:.2g}" for g in numerics["divergence_gaps"] if g is not None) or "none"

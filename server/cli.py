@@ -65,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         from server.app import serve
+        from server.engine.loader import ModelNotFoundError, ModelTooLargeError, preflight
 
+        try:  # a missing model or one that cannot fit: said now, not as a traceback or an OOM kill
+            preflight(config.model)
+        except (ModelNotFoundError, ModelTooLargeError) as exc:
+            print(f"parrot: {exc}", file=sys.stderr)
+            return 2
         return serve(config)
     return generate_file(config, args)
 
@@ -96,7 +102,7 @@ def _parse_line(line: str, number: int) -> tuple[Any, list[dict[str, Any]]]:
 def generate_file(config: Config, args: argparse.Namespace) -> int:
     from server.engine.build import build_engine
     from server.engine.engine import GenerationRequest, SpeculationParams
-    from server.engine.loader import ModelNotFoundError
+    from server.engine.loader import ModelNotFoundError, ModelTooLargeError
     from server.engine.sampling import SamplingParams
 
     try:
@@ -114,7 +120,7 @@ def generate_file(config: Config, args: argparse.Namespace) -> int:
         return 2
     try:
         loaded, engine = build_engine(config)
-    except ModelNotFoundError as exc:
+    except (ModelNotFoundError, ModelTooLargeError) as exc:
         print(f"parrot: {exc}", file=sys.stderr)
         return 2
     device, dtype = str(loaded.device), str(loaded.dtype).removeprefix("torch.")

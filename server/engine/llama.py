@@ -102,17 +102,13 @@ class Linear:
         self._dense: PackedLinear | None = None
         self.kernels = kernels
         self.q8 = q8
-        # Block weights, as parts along N: consecutive ones of one format fused (Q4_K_M files
-        # keep q and k in Q4_K and v in Q6_K, say).
+        # Block weights, as parts along N, each as the GGUF has it (q, k, v may differ in format:
+        # Q4_K_M files keep v in Q6_K on some layers). Not concatenated: that would copy them;
+        # the kernels run every part of a layer in one parallel job.
         self.blocks: list[BlockWeight] | None = None
         parts = [blocks[name] for name in names if name in blocks]
         if kernels is not None and len(parts) == len(names):
-            self.blocks = []
-            for part in parts:
-                if self.blocks and self.blocks[-1].kind == part.kind:
-                    self.blocks[-1] = BlockWeight.cat([self.blocks[-1], part])
-                else:
-                    self.blocks.append(part)
+            self.blocks = parts
         self._mats: list[Any] = []
 
     @property
@@ -234,6 +230,8 @@ class LlamaForward:
         config = hf_model.config
         inner = hf_model.model
         self.device = inner.embed_tokens.weight.device
+        if self.device.type == "meta":  # a weightless model (loader.load_gguf_native): blocks only
+            self.device = torch.device("cpu")
         self.dtype = inner.embed_tokens.weight.dtype
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
@@ -257,6 +255,7 @@ class LlamaForward:
         self.activations = activations
         q8 = activations == "q8"
         blocks = blocks or {}
+        self._embed_blocks = blocks.get("model.embed_tokens.weight") if kernels is not None else None
         with torch.inference_mode():
             self.embed: torch.Tensor | None = inner.embed_tokens.weight.detach().contiguous()
             self.layers = [_Layer(i, layer, blocks, kernels, q8) for i, layer in enumerate(inner.layers)]
@@ -283,8 +282,11 @@ class LlamaForward:
         """The kernel library's view of the model; its pointers stay valid while self lives.
         With tied embeddings in one block format, token rows are expanded from the LM head's
         blocks (the GGUF's token_embd), and no float32 embedding is kept."""
+        embed = self._embed_blocks
         tied = getattr(config, "tie_word_embeddings", False) and self.lm_head.blocks is not None and len(self.lm_head.blocks) == 1
-        self._embed_mats = mats(self.lm_head.blocks[:1]) if tied and self.lm_head.blocks else []
+        if embed is None and tied and self.lm_head.blocks:
+            embed = self.lm_head.blocks[0]
+        self._embed_mats = mats([embed]) if embed is not None else []
         self._layer_descs = (LayerDesc * self.num_layers)(*[
             LayerDesc(layer.qkv.mat(), layer.o.mat(), layer.gate_up.mat(), layer.down.mat(),
                       layer.input_norm.data_ptr(), layer.post_norm.data_ptr())

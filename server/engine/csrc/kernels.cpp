@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -254,30 +255,40 @@ inline void columns(const W& w, const float* x, int64_t M, int64_t K, int64_t n,
   rest<MT - 1, MT, NT>(w, x + i * K, M - i, K, n, y + i * ldy, ldy);
 }
 
+// A layer's work as tiles of NT weight rows (the last one narrower), so that one parallel job
+// covers every part of a fused layer: `run(t)` computes tile t of `count`.
+struct Tiles {
+  std::function<void(int64_t)> run;
+  int64_t count;
+};
+
 template <int MT, int NT, class W>
-void run(const W& w, const float* x, int64_t M, int64_t K, float* y, int64_t N, int64_t ldy, int threads) {
-  const int64_t tiled = N - N % NT;
-  pool(threads).parallel_for(tiled / NT, [&](int64_t t) { columns<MT, NT>(w, x, M, K, t * NT, y, ldy); });
-  for (int64_t n = tiled; n < N; ++n) columns<MT, 1>(w, x, M, K, n, y, ldy);
+Tiles tiles(const W& w, const float* x, int64_t M, int64_t K, float* y, int64_t N, int64_t ldy) {
+  return {[=](int64_t t) {
+            const int64_t n = t * NT;
+            if (n + NT <= N) columns<MT, NT>(w, x, M, K, n, y, ldy);
+            else for (int64_t c = n; c < N; ++c) columns<MT, 1>(w, x, M, K, c, y, ldy);
+          },
+          (N + NT - 1) / NT};
 }
 
 // Tile shapes by the number of rows, so that each weight block is expanded once per pass for up
 // to 8 rows: MT x NT accumulators, NT expanded weight parts and one x part fit the registers.
 template <class W>
-void linear_rows(const W& w, const float* x, int64_t M, int64_t K, float* y, int64_t N, int64_t ldy, int threads) {
+Tiles linear_rows(const W& w, const float* x, int64_t M, int64_t K, float* y, int64_t N, int64_t ldy) {
   if constexpr (REGISTERS >= 32) {
-    if (M <= 4) run<4, 4>(w, x, M, K, y, N, ldy, threads);
-    else if (M == 5) run<5, 4>(w, x, M, K, y, N, ldy, threads);
-    else if (M == 6) run<6, 4>(w, x, M, K, y, N, ldy, threads);
-    else run<8, 3>(w, x, M, K, y, N, ldy, threads);
+    if (M <= 4) return tiles<4, 4>(w, x, M, K, y, N, ldy);
+    if (M == 5) return tiles<5, 4>(w, x, M, K, y, N, ldy);
+    if (M == 6) return tiles<6, 4>(w, x, M, K, y, N, ldy);
+    return tiles<8, 3>(w, x, M, K, y, N, ldy);
   } else {
     // 16 registers: 2 weight rows at a time up to 6 rows, 1 beyond (wider tiles, which also
     // hold the scales of every weight row, spilled registers and measured slower).
-    if (M <= 2) run<2, 2>(w, x, M, K, y, N, ldy, threads);
-    else if (M == 3) run<3, 2>(w, x, M, K, y, N, ldy, threads);
-    else if (M == 4) run<4, 2>(w, x, M, K, y, N, ldy, threads);
-    else if (M <= 6) run<6, 2>(w, x, M, K, y, N, ldy, threads);
-    else run<8, 1>(w, x, M, K, y, N, ldy, threads);
+    if (M <= 2) return tiles<2, 2>(w, x, M, K, y, N, ldy);
+    if (M == 3) return tiles<3, 2>(w, x, M, K, y, N, ldy);
+    if (M == 4) return tiles<4, 2>(w, x, M, K, y, N, ldy);
+    if (M <= 6) return tiles<6, 2>(w, x, M, K, y, N, ldy);
+    return tiles<8, 1>(w, x, M, K, y, N, ldy);
   }
 }
 
@@ -383,18 +394,21 @@ inline void qcolumns(const W& w, const XQ& x, int64_t M, int64_t n, float* y, in
 }
 
 template <int MT, int NT, class W>
-void qrun(const W& w, const XQ& x, int64_t M, float* y, int64_t N, int64_t ldy, int threads) {
-  const int64_t tiled = N - N % NT;
-  pool(threads).parallel_for(tiled / NT, [&](int64_t t) { qcolumns<MT, NT>(w, x, M, t * NT, y, ldy); });
-  for (int64_t n = tiled; n < N; ++n) qcolumns<MT, 1>(w, x, M, n, y, ldy);
+Tiles qtiles(const W& w, const XQ& x, int64_t M, float* y, int64_t N, int64_t ldy) {
+  return {[=, &x](int64_t t) {
+            const int64_t n = t * NT;
+            if (n + NT <= N) qcolumns<MT, NT>(w, x, M, n, y, ldy);
+            else for (int64_t c = n; c < N; ++c) qcolumns<MT, 1>(w, x, M, c, y, ldy);
+          },
+          (N + NT - 1) / NT};
 }
 
 template <class W>
-void linear_bytes(const W& w, const XQ& x, int64_t M, float* y, int64_t N, int64_t ldy, int threads) {
-  if (M == 1) qrun<1, 2>(w, x, M, y, N, ldy, threads);
-  else if (M == 2) qrun<2, 1>(w, x, M, y, N, ldy, threads);
-  else if (M <= 4) qrun<4, 1>(w, x, M, y, N, ldy, threads);
-  else qrun<8, 1>(w, x, M, y, N, ldy, threads);
+Tiles linear_bytes(const W& w, const XQ& x, int64_t M, float* y, int64_t N, int64_t ldy) {
+  if (M == 1) return qtiles<1, 2>(w, x, M, y, N, ldy);
+  if (M == 2) return qtiles<2, 1>(w, x, M, y, N, ldy);
+  if (M <= 4) return qtiles<4, 1>(w, x, M, y, N, ldy);
+  return qtiles<8, 1>(w, x, M, y, N, ldy);
 }
 
 template <class W>
@@ -411,11 +425,11 @@ void expand_rows(const W& w, const int64_t* rows, int64_t count, float* out) {
 // One part of a layer: the 8-bit path when asked for and the format has one (xq is then the
 // quantised x), the float path otherwise.
 template <class W>
-void linear_part(const W& w, const float* x, const XQ* xq, int64_t M, float* y, int64_t N, int64_t ldy, int threads) {
+Tiles linear_part(const W& w, const float* x, const XQ* xq, int64_t M, float* y, int64_t N, int64_t ldy) {
   if constexpr (W::INTEGER) {
-    if (xq != nullptr && xq->pairs == (w.K / 32 + 1) / 2) return linear_bytes(w, *xq, M, y, N, ldy, threads);
+    if (xq != nullptr && xq->pairs == (w.K / 32 + 1) / 2) return linear_bytes(w, *xq, M, y, N, ldy);
   }
-  linear_rows(w, x, M, w.K, y, N, ldy, threads);
+  return linear_rows(w, x, M, w.K, y, N, ldy);
 }
 
 }  // namespace
@@ -460,27 +474,40 @@ void parrot_linear(const Mat* w, const float* x, int64_t M, float* y, int thread
   bool any_bytes = false;
   for (const Mat* p = w; p != nullptr; p = p->next) { ldy += p->N; any_bytes |= p->kind >= Q4_0; }
   const std::unique_ptr<XQ> xq(q8 && any_bytes ? new XQ(x, M, w->K) : nullptr);
-  for (int64_t offset = 0; w != nullptr; offset += w->N, w = w->next) {
-    const int64_t K = w->K, N = w->N;
+  std::vector<Tiles> parts;
+  std::vector<int64_t> first;  // each part's first tile in the job
+  int64_t total = 0, offset = 0;
+  for (const Mat* p = w; p != nullptr; offset += p->N, p = p->next) {
+    const int64_t K = p->K, N = p->N;
     float* out = y + offset;
-    switch (w->kind) {
-      case F32: linear_part(F32W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
-      case F16: linear_part(F16W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
-      case BF16: linear_part(BF16W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
-      case Q4_0: linear_part(Q4_0W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
-      case Q4_1: linear_part(Q4_1W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
-      case Q5_0: linear_part(Q5_0W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
-      case Q5_1: linear_part(Q5_1W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
-      case Q8_0: linear_part(Q8_0W{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
-      case Q4_K: linear_part(Q4_KW{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
-      case Q5_K: linear_part(Q5_KW{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
-      case Q6_K: linear_part(Q6_KW{{w->data, K}}, x, xq.get(), M, out, N, ldy, threads); break;
-      default: break;
+    switch (p->kind) {
+      case F32: parts.push_back(linear_part(F32W{{p->data, K}}, x, xq.get(), M, out, N, ldy)); break;
+      case F16: parts.push_back(linear_part(F16W{{p->data, K}}, x, xq.get(), M, out, N, ldy)); break;
+      case BF16: parts.push_back(linear_part(BF16W{{p->data, K}}, x, xq.get(), M, out, N, ldy)); break;
+      case Q4_0: parts.push_back(linear_part(Q4_0W{{p->data, K}}, x, xq.get(), M, out, N, ldy)); break;
+      case Q4_1: parts.push_back(linear_part(Q4_1W{{p->data, K}}, x, xq.get(), M, out, N, ldy)); break;
+      case Q5_0: parts.push_back(linear_part(Q5_0W{{p->data, K}}, x, xq.get(), M, out, N, ldy)); break;
+      case Q5_1: parts.push_back(linear_part(Q5_1W{{p->data, K}}, x, xq.get(), M, out, N, ldy)); break;
+      case Q8_0: parts.push_back(linear_part(Q8_0W{{p->data, K}}, x, xq.get(), M, out, N, ldy)); break;
+      case Q4_K: parts.push_back(linear_part(Q4_KW{{p->data, K}}, x, xq.get(), M, out, N, ldy)); break;
+      case Q5_K: parts.push_back(linear_part(Q5_KW{{p->data, K}}, x, xq.get(), M, out, N, ldy)); break;
+      case Q6_K: parts.push_back(linear_part(Q6_KW{{p->data, K}}, x, xq.get(), M, out, N, ldy)); break;
+      default: parts.push_back({[](int64_t) {}, 0}); break;
     }
-    if (w->bias != nullptr)
-      for (int64_t i = 0; i < M; ++i)
-        for (int64_t n = 0; n < N; ++n) out[i * ldy + n] += w->bias[n];
+    first.push_back(total);
+    total += parts.back().count;
   }
+  // One job over every part's tiles: a layer of several parts costs one hand-off to the threads.
+  pool(threads).parallel_for(total, [&](int64_t t) {
+    size_t i = parts.size() - 1;
+    while (first[i] > t) --i;
+    parts[i].run(t - first[i]);
+  });
+  offset = 0;
+  for (const Mat* p = w; p != nullptr; offset += p->N, p = p->next)
+    if (p->bias != nullptr)
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t n = 0; n < p->N; ++n) y[i * ldy + offset + n] += p->bias[n];
 }
 
 }  // extern "C"

@@ -1,0 +1,63 @@
+"""Loading checks that run before a model is read: a model that cannot fit is refused with a
+clear message (never an OOM kill), and the CLI says so instead of starting a server."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from server import cli
+from server.engine import loader
+from server.engine.loader import ModelTooLargeError, check_memory, resolve_source
+
+
+def _embedded_gguf() -> str:
+    source = resolve_source("embedded")
+    assert source.gguf_file is not None
+    return os.path.join(source.path, source.gguf_file)
+
+
+def test_a_gguf_that_fits_passes_the_memory_check():
+    check_memory(_embedded_gguf())  # 135M weights on a machine with gigabytes free
+
+
+def test_a_gguf_that_cannot_fit_is_refused_before_loading(monkeypatch):
+    monkeypatch.setattr(loader, "available_bytes", lambda: 100 * 2**20)
+    # through transformers: every weight in float32 once (0.5 GiB)
+    with pytest.raises(ModelTooLargeError, match=r"needs about 0\.\d GiB to load .* 0\.1 GiB is available"):
+        check_memory(_embedded_gguf())
+    check_memory(_embedded_gguf(), float32=False)  # onto the kernels: the file's 94 MB
+    monkeypatch.setattr(loader, "available_bytes", lambda: 50 * 2**20)
+    with pytest.raises(ModelTooLargeError, match="in the file's blocks"):
+        check_memory(_embedded_gguf(), float32=False)
+
+
+def test_serve_refuses_a_model_that_cannot_fit_with_a_message(monkeypatch, capsys):
+    monkeypatch.setattr(loader, "available_bytes", lambda: 10 * 2**20)
+    assert cli.main(["serve", "--model", _embedded_gguf(), "--port", "0"]) == 2
+    assert "GiB is available" in capsys.readouterr().err
+
+
+def test_serve_says_when_there_is_no_such_model(capsys, tmp_path):
+    assert cli.main(["serve", "--model", str(tmp_path / "missing.gguf"), "--port", "0"]) == 2
+    assert "parrot:" in capsys.readouterr().err
+
+
+def test_a_gguf_loaded_onto_the_kernels_computes_what_the_transformers_path_does(embedded_engine):
+    # load_gguf_native keeps no float32 matrices (the blocks stay in the memory-mapped file; the
+    # transformers model is weightless) and must give the same logits, bit for bit, as the
+    # forward built from the transformers model and its verified blocks.
+    import torch
+
+    from server.config import ModelConfig
+    from server.engine.loader import load_gguf_native
+
+    native = load_gguf_native(resolve_source("embedded"), ModelConfig())
+    assert native is not None and native.forward.native is not None and native.forward.embed is None
+    ids = torch.randint(100, 20000, (90,), generator=torch.Generator().manual_seed(3)).tolist()
+    results = []
+    for forward in (native.forward, embedded_engine.forward):
+        cache = forward.new_cache(128)
+        results.append(torch.cat([forward.forward([(cache, ids[:80], 2)])[0], forward.forward([(cache, ids[80:], 10)])[0]]))
+    assert torch.equal(results[0], results[1])
