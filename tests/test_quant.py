@@ -30,6 +30,19 @@ def _random_q8_0(n: int, k: int, seed: int = 0) -> BlockWeight:
     return BlockWeight.pack("q8_0", qs, d)
 
 
+def _random_blocks(kind: str, rows: int, k: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:
+    """Random blocks of any format (any bytes are valid blocks; float formats get random floats,
+    since random bytes would be mostly NaN rows) and the reference's de-quantisation of them."""
+    size, weights = FORMATS[kind]
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (rows, k // weights * size), generator=generator, dtype=torch.uint8)
+    if kind in ("f32", "f16", "bf16"):
+        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[kind]
+        data = (torch.randn(rows, k, generator=generator) * 100).to(dtype).view(torch.uint8)
+    w = BlockWeight(kind, data)
+    return w, w.dequantize()
+
+
 def test_q4_1_dequantization_follows_the_gguf_layout():
     w = _random_q4_1(3, 64)
     dense = w.dequantize()
@@ -105,14 +118,9 @@ def test_kernels_expand_every_block_format_as_the_gguf_reference_does(isa, kind)
     # Any bytes are valid blocks. The kernel times the identity gives back its expansion of the
     # weights exactly (one product of 1.0, the rest zeros), which must equal the reference's
     # de-quantisation bit for bit. Rows with a non-finite weight are left out (0 * inf is NaN).
-    size, weights = FORMATS[kind]
-    k = 2 * max(weights, 64)
-    generator = torch.Generator().manual_seed(3)
-    data = torch.randint(0, 256, (64, k // weights * size), generator=generator, dtype=torch.uint8)
-    if kind in ("f32", "f16", "bf16"):  # random bytes would be mostly NaN rows: random floats instead
-        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[kind]
-        data = (torch.randn(64, k, generator=generator) * 100).to(dtype).view(torch.uint8)
-    reference = BlockWeight(kind, data).dequantize()
+    k = 2 * max(FORMATS[kind][1], 64)
+    blocks, reference = _random_blocks(kind, 64, k, seed=3)
+    data = blocks.data
     finite = reference.isfinite().all(dim=1)
     assert finite.sum() >= 32
     w = BlockWeight(kind, data[finite].contiguous())
@@ -134,17 +142,13 @@ def test_q8_kernels_are_exact_products_of_the_rounded_rows(isa, kind):
     # With 8-bit activations, each output is the product of the row rounded to 8 bits per 32 and
     # the reference's weights, to float32 rounding of the sum (integer sums are exact); float
     # formats keep float32 inputs. Rows 1..11 cover every tile; K of 21 units an odd last pair.
-    size, weights = FORMATS[kind]
+    weights = FORMATS[kind][1]
     k = 21 * 32 if weights == 32 else 3 * weights
+    blocks, reference = _random_blocks(kind, 128, k, seed=4)
     generator = torch.Generator().manual_seed(4)
-    data = torch.randint(0, 256, (128, k // weights * size), generator=generator, dtype=torch.uint8)
-    if kind in ("f32", "f16", "bf16"):
-        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[kind]
-        data = (torch.randn(128, k, generator=generator) * 100).to(dtype).view(torch.uint8)
-    reference = BlockWeight(kind, data).dequantize()
     usable = reference.isfinite().all(dim=1)
     assert usable.sum() >= 8
-    w = BlockWeight(kind, data[usable].contiguous())
+    w = BlockWeight(kind, blocks.data[usable].contiguous())
     weight = reference[usable].double()
     for rows in (1, 2, 3, 5, 8, 11):
         x = torch.randn(rows, k, generator=generator)
@@ -162,13 +166,9 @@ def test_q8_kernels_are_exact_products_of_the_rounded_rows(isa, kind):
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_rows_of_every_block_format_are_the_gguf_reference_rows(isa, kind):
     # The embedding of a tied model is read from the LM head's blocks, one token row at a time.
-    size, weights = FORMATS[kind]
-    k = 2 * max(weights, 64)
-    generator = torch.Generator().manual_seed(5)
-    data = torch.randint(0, 256, (40, k // weights * size), generator=generator, dtype=torch.uint8)
-    w = BlockWeight(kind, data)
+    w, dense = _random_blocks(kind, 40, 2 * max(FORMATS[kind][1], 64), seed=5)
     index = torch.tensor([7, 0, 39, 7, 12])
-    ours, reference = kernels(isa).rows(w, index), w.dequantize()[index]
+    ours, reference = kernels(isa).rows(w, index), dense[index]
     assert torch.equal(ours.nan_to_num(), reference.nan_to_num())  # random bytes hold NaN weights too
     with pytest.raises(ValueError, match="out of range"):
         kernels(isa).rows(w, torch.tensor([40]))

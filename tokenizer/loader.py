@@ -81,7 +81,7 @@ class Tokenizer:
         else:
             messages, tools = tool_messages(messages, tools), None
         text = self.hf.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt  # type: ignore[arg-type]
         )
         assert isinstance(text, str)
         return text

@@ -296,7 +296,7 @@ class LlamaForward:
             num_layers=self.num_layers, hidden=config.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, intermediate=config.intermediate_size, vocab=self.vocab_size,
             max_positions=self.max_positions, eps=self.eps, scale=self.scale, threads=1, q8=int(self.activations == "q8"),
-            embed=None if self._embed_mats else self.embed.data_ptr(),
+            embed=None if self._embed_mats or self.embed is None else self.embed.data_ptr(),
             embed_blocks=ctypes.pointer(self._embed_mats[0]) if self._embed_mats else None,
             cos=self.cos.data_ptr(), sin=self.sin.data_ptr(),
             final_norm=self.final_norm.data_ptr(), lm_head=self.lm_head.mat(), layers=self._layer_descs,

@@ -298,7 +298,7 @@ def _gguf_tokenizer_and_config(source: ModelSource) -> tuple[Tokenizer, Any]:
         tokenizer.name = source.display_name
         return tokenizer, AutoConfig.from_pretrained(target)
     tokenizer = load_tokenizer(source.path, source.gguf_file)
-    values = dict(load_gguf_checkpoint(os.path.join(source.path, source.gguf_file), return_tensors=False)["config"])
+    values = dict(load_gguf_checkpoint(os.path.join(source.path, source.gguf_file or ""), return_tensors=False)["config"])
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
