@@ -6,10 +6,13 @@ weights are 540 MB, its GGUF blocks 96 MB. The compiled kernels (kernels.py, csr
 multiply float32 activations by the blocks directly, expanding each block in registers exactly
 as the GGUF defines it.
 
-Exactness: the blocks are taken from the GGUF file, put in the row order transformers uses (it
-un-permutes the q and k projections of Llama GGUFs), and checked at conversion time: every
-block matrix, de-quantised here, must equal transformers' float32 weight bit for bit, or it is
-not used. The kernels then differ from a float32 matmul of the same weights only in the order
+Exactness: the blocks are taken from the GGUF file and put in the row order transformers uses
+(it un-permutes the q and k projections of Llama GGUFs). On the transformers path
+(``read_gguf_blocks``) every block matrix, de-quantised here, must equal transformers' float32
+weight bit for bit, or it is not used; the direct path (``read_gguf_native``) has no float32
+weights to check against, and rests on the kernels expanding every format as the gguf
+package's reference does (tests/test_quant.py) and on giving the transformers path's logits
+bit for bit on the embedded model (tests/test_loading.py). The kernels then differ from a float32 matmul of the same weights only in the order
 of their additions (about 1e-6 relative), like any two BLAS libraries.
 """
 
@@ -74,12 +77,6 @@ class BlockWeight:
 
     def rows(self, index: torch.Tensor) -> "BlockWeight":
         return BlockWeight(self.kind, self.data[index].contiguous())
-
-    @staticmethod
-    def cat(parts: list["BlockWeight"]) -> "BlockWeight":
-        kinds = {p.kind for p in parts}
-        assert len(kinds) == 1
-        return BlockWeight(parts[0].kind, torch.cat([p.data for p in parts]))
 
     @staticmethod
     def pack(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> "BlockWeight":

@@ -2,7 +2,7 @@
 // tokens over a KV cache, and a whole decoding pass of a Llama-family model in one call.
 //
 // Compiled once per instruction set (simd.h: AVX-512, AVX2 + FMA, portable) into a plain shared
-// library with a C interface, loaded by server/engine/quant.py with ctypes.
+// library with a C interface, loaded by server/engine/kernels.py with ctypes.
 //
 // Batch invariance, the property greedy drafting's exactness rests on: every output element is
 // computed by a sequence of operations fixed by its own row (its token, position and sequence),
