@@ -21,7 +21,7 @@ from server.engine.engine import GenerationRequest, SpeculationParams
 from server.engine.errors import ContextWindowExceeded, EmptyPrompt, EngineError
 from server.engine.sampling import Sampler, SamplingParams, target_probs
 from server.engine.scheduler import OutputLatency, RequestHandle, Scheduler
-from tests.tiny import EOS, tiny_engine, tiny_hf_model
+from tests.tiny import EOS, chi_square_below_quantile, tiny_engine, tiny_hf_model
 from server.engine.llama import LlamaForward
 from server.engine.hf_runner import HFForward
 
@@ -247,26 +247,8 @@ def test_sampling_follows_target_distribution_with_drafting():
         drafted += res.stats.drafted_tokens
         accepted += res.stats.accepted_tokens
     assert drafted > n and 0 < accepted < drafted  # drafts were made, some kept, some rejected
-    expected = joint.flatten() * n
-    observed = counts.flatten()
-    order = torch.argsort(expected)
-    # Pool the smallest cells so every cell expects at least 5 samples.
-    cells_e, cells_o, acc_e, acc_o = [], [], 0.0, 0.0
-    for i in order.tolist():
-        acc_e += float(expected[i])
-        acc_o += float(observed[i])
-        if acc_e >= 5:
-            cells_e.append(acc_e)
-            cells_o.append(acc_o)
-            acc_e = acc_o = 0.0
-    if acc_e:
-        cells_e[-1] += acc_e
-        cells_o[-1] += acc_o
-    chi2 = sum((o - e) ** 2 / e for o, e in zip(cells_o, cells_e))
-    dof = len(cells_e) - 1
-    # Wilson-Hilferty approximation of the chi-square quantile at 1 - 1e-6 (z = 4.75).
-    quantile = dof * (1 - 2 / (9 * dof) + 4.75 * math.sqrt(2 / (9 * dof))) ** 3
-    assert chi2 < quantile, (chi2, dof)
+    chi2, quantile = chi_square_below_quantile(joint.flatten() * n, counts.flatten())
+    assert chi2 < quantile, (chi2, quantile)
 
 
 def test_seeded_sampling_reproduces_and_does_not_depend_on_drafting():

@@ -5,7 +5,6 @@ against a plain reference of OpenAI's and vLLM's documented semantics."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from server.config import DraftingConfig
 from server.engine.engine import GenerationRequest, SpeculationParams
 from server.engine.sampling import Penalties, SamplingParams
-from tests.tiny import tiny_engine
+from tests.tiny import chi_square_below_quantile, tiny_engine
 
 FORCED = DraftingConfig(adaptive=False, max_draft=8)  # always draft what the drafter proposes
 
@@ -89,26 +88,6 @@ def test_greedy_output_identical_with_and_without_drafting_under_penalties(name)
     assert accepted > 40 and drafted > accepted
 
 
-def _chi_square_below_quantile(expected: torch.Tensor, observed: torch.Tensor) -> tuple[float, float]:
-    """(chi-square, its 1 - 1e-6 quantile), cells pooled smallest first to expect >= 5 each."""
-    order = torch.argsort(expected)
-    cells_e, cells_o, acc_e, acc_o = [], [], 0.0, 0.0
-    for i in order.tolist():
-        acc_e += float(expected[i])
-        acc_o += float(observed[i])
-        if acc_e >= 5:
-            cells_e.append(acc_e)
-            cells_o.append(acc_o)
-            acc_e = acc_o = 0.0
-    if acc_e:
-        cells_e[-1] += acc_e
-        cells_o[-1] += acc_o
-    chi2 = sum((o - e) ** 2 / e for o, e in zip(cells_o, cells_e))
-    dof = len(cells_e) - 1
-    # Wilson-Hilferty approximation of the chi-square quantile at 1 - 1e-6 (z = 4.75).
-    return chi2, dof * (1 - 2 / (9 * dof) + 4.75 * math.sqrt(2 / (9 * dof))) ** 3
-
-
 def test_sampling_with_penalties_follows_the_penalised_distribution_with_drafting():
     """Two sampled tokens after a fixed prompt, with drafts from the prompt, against the exact
     joint distribution of the penalised model computed with ``reference`` (chi-square, 16 x 16
@@ -141,9 +120,9 @@ def test_sampling_with_penalties_follows_the_penalised_distribution_with_draftin
         drafted += res.stats.drafted_tokens
         accepted += res.stats.accepted_tokens
     assert drafted > n and 0 < accepted < drafted  # drafts were made, some kept, some rejected
-    chi2, quantile = _chi_square_below_quantile(joint.flatten() * n, counts.flatten())
+    chi2, quantile = chi_square_below_quantile(joint.flatten() * n, counts.flatten())
     assert chi2 < quantile, (chi2, quantile)
-    plain_chi2, plain_quantile = _chi_square_below_quantile(plain_joint.flatten() * n, counts.flatten())
+    plain_chi2, plain_quantile = chi_square_below_quantile(plain_joint.flatten() * n, counts.flatten())
     assert plain_chi2 > plain_quantile  # the test can tell penalised sampling from plain sampling
 
 

@@ -7,6 +7,7 @@ from a fixed seed, so both the native forward and the transformers fallback can 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -98,3 +99,22 @@ def tiny_engine(
         cost = [0.0] + [1.0 + 0.02 * t for t in range(drafting.max_draft + 1)]
     return Engine(forward, TinyTokenizer(vocab_size), drafting, cost, prefill_chunk, sizer=sizer)  # type: ignore[arg-type]
 
+
+def chi_square_below_quantile(expected: torch.Tensor, observed: torch.Tensor) -> tuple[float, float]:
+    """(chi-square, its 1 - 1e-6 quantile), cells pooled smallest first to expect >= 5 each."""
+    order = torch.argsort(expected)
+    cells_e, cells_o, acc_e, acc_o = [], [], 0.0, 0.0
+    for i in order.tolist():
+        acc_e += float(expected[i])
+        acc_o += float(observed[i])
+        if acc_e >= 5:
+            cells_e.append(acc_e)
+            cells_o.append(acc_o)
+            acc_e = acc_o = 0.0
+    if acc_e:
+        cells_e[-1] += acc_e
+        cells_o[-1] += acc_o
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(cells_o, cells_e))
+    dof = len(cells_e) - 1
+    # Wilson-Hilferty approximation of the chi-square quantile at 1 - 1e-6 (z = 4.75).
+    return chi2, dof * (1 - 2 / (9 * dof) + 4.75 * math.sqrt(2 / (9 * dof))) ** 3
