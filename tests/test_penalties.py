@@ -13,7 +13,7 @@ import torch
 from server.config import DraftingConfig
 from server.engine.engine import GenerationRequest, SpeculationParams
 from server.engine.sampling import Penalties, SamplingParams
-from tests.tiny import chi_square_below_quantile, tiny_engine
+from tests.tiny import chi_square_below_quantile, sampled_pairs, tiny_engine
 
 FORCED = DraftingConfig(adaptive=False, max_draft=8)  # always draft what the drafter proposes
 
@@ -109,17 +109,9 @@ def test_sampling_with_penalties_follows_the_penalised_distribution_with_draftin
         second_logits = forward.forward([(forward.new_cache(16), prompt + [a], 1)])[0][0]
         joint[a] = first[a] * torch.softmax(reference(second_logits, prompt, [a], params), -1)
         plain_joint[a] = torch.softmax(first_logits, -1)[a] * torch.softmax(second_logits, -1)
-    counts = torch.zeros(vocab, vocab)
     n = 2000
-    drafted = accepted = 0
-    for seed in range(n):
-        # The drafter matches the prompt's tail [3, 5] at its start and proposes [7, 9].
-        res = _generate(engine, prompt, dataclasses.replace(params, seed=seed))
-        a, b = res.token_ids[:2]
-        counts[a, b] += 1
-        drafted += res.stats.drafted_tokens
-        accepted += res.stats.accepted_tokens
-    assert drafted > n and 0 < accepted < drafted  # drafts were made, some kept, some rejected
+    # The drafter matches the prompt's tail [3, 5] at its start and proposes [7, 9].
+    counts = sampled_pairs(lambda seed: _generate(engine, prompt, dataclasses.replace(params, seed=seed)), vocab, n)
     chi2, quantile = chi_square_below_quantile(joint.flatten() * n, counts.flatten())
     assert chi2 < quantile, (chi2, quantile)
     plain_chi2, plain_quantile = chi_square_below_quantile(plain_joint.flatten() * n, counts.flatten())

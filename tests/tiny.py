@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -118,3 +119,19 @@ def chi_square_below_quantile(expected: torch.Tensor, observed: torch.Tensor) ->
     dof = len(cells_e) - 1
     # Wilson-Hilferty approximation of the chi-square quantile at 1 - 1e-6 (z = 4.75).
     return chi2, dof * (1 - 2 / (9 * dof) + 4.75 * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def sampled_pairs(generate: Any, vocab: int, n: int) -> torch.Tensor:
+    """Counts [vocab, vocab] of the first two tokens of ``generate(seed)`` for seeds 0..n-1,
+    asserting that drafts were made, some kept and some rejected (so a sampling test over them
+    checks verification, not plain sampling)."""
+    counts = torch.zeros(vocab, vocab)
+    drafted = accepted = 0
+    for seed in range(n):
+        res = generate(seed)
+        a, b = res.token_ids[:2]
+        counts[a, b] += 1
+        drafted += res.stats.drafted_tokens
+        accepted += res.stats.accepted_tokens
+    assert drafted > n and 0 < accepted < drafted
+    return counts
