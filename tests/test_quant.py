@@ -128,9 +128,10 @@ def test_kernels_expand_every_block_format_as_the_gguf_reference_does(isa, kind)
     assert torch.equal(expanded, reference[finite])
 
 
-def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as the q8 kernels round it: per 32 values, d = max |x| / 127, q = round(x / d)."""
-    units = x.reshape(x.shape[0], -1, 32)
+def _quantized_rows(x: torch.Tensor, unit: int = 32) -> torch.Tensor:
+    """x rounded as the q8 kernels round it: per unit of 32 values (256 for the K-quant formats),
+    d = max |x| / 127, q = round(x / d)."""
+    units = x.reshape(x.shape[0], -1, unit)
     top = units.abs().amax(-1, keepdim=True)
     inverse = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))
     return (torch.round(units * inverse) * (top / 127.0)).reshape(x.shape)
@@ -139,8 +140,8 @@ def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_q8_kernels_are_exact_products_of_the_rounded_rows(isa, kind):
-    # With 8-bit activations, each output is the product of the row rounded to 8 bits per 32 and
-    # the reference's weights, to float32 rounding of the sum (integer sums are exact); float
+    # With 8-bit activations, each output is the product of the row rounded to 8 bits per 32
+    # (per super-block of 256 for the K-quant formats) and the reference's weights, to float32 rounding of the sum (integer sums are exact); float
     # formats keep float32 inputs. Rows 1..11 cover every tile; K of 21 units an odd last pair.
     weights = FORMATS[kind][1]
     k = 21 * 32 if weights == 32 else 3 * weights
@@ -153,7 +154,7 @@ def test_q8_kernels_are_exact_products_of_the_rounded_rows(isa, kind):
     for rows in (1, 2, 3, 5, 8, 11):
         x = torch.randn(rows, k, generator=generator)
         y = kernels(isa).linear(x, w, q8=True).double()
-        rounded = (x if kind in ("f32", "f16", "bf16") else _quantized_rows(x)).double()
+        rounded = (x if kind in ("f32", "f16", "bf16") else _quantized_rows(x, min(weights, 256))).double()
         bound = 1e-5 * (rounded.abs() @ weight.abs().T)
         assert ((y - rounded @ weight.T).abs() <= bound).all()
     x = torch.randn(13, k, generator=generator)

@@ -361,29 +361,55 @@ inline float ghsum(G a) {  // the AVX2 build's hsum order
 inline void gpin(G& a) { asm("" : "+x"(a.v)); }
 inline void bpin(B& a) { asm("" : "+x"(a.v)); }
 
-// 32 floats -> 32 bytes q = round(x / d) (to nearest, ties to even), d = max |x| / 127; writes q
-// and its sums in fours (lane k: q[4k] + .. + q[4k+3]); returns d (0 for a unit of zeros).
-inline float quantize(const float* x, int8_t* q, int32_t* sums) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4], amax = _mm256_setzero_ps();
-  for (int k = 0; k < 4; ++k) {
-    v[k] = _mm256_loadu_ps(x + 8 * k);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
-  }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-  const float top = _mm_cvtss_f32(m), d = top / 127.0f;
-  const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+// Super-block sums (K-quant formats): H is 16 int16 multipliers, one per pair sum of bytes
+// (2k, 2k + 1) as maddubs makes them. Lane k of scaled(u, x, s) is
+// s[2k] (u[4k] x[4k] + u[4k+1] x[4k+1]) + s[2k+1] (u[4k+2] x[4k+2] + u[4k+3] x[4k+3]), exactly
+// (callers keep u < 64, so no 16-bit pair sum saturates, and the products within int32).
+struct H { __m256i v; };
+inline H hload(const int16_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
+inline H hset1(int16_t a) { return {_mm256_set1_epi16(a)}; }
+inline H hset2(int16_t lo, int16_t hi) { return {_mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo))}; }  // lanes 0..7, 8..15
+inline H hpairs(const uint8_t* p) {  // lanes 2k, 2k + 1: p[k] (8 unsigned bytes)
+  const __m128i a = _mm_loadl_epi64((const __m128i*)p);
+  return {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, a))};
+}
+inline H hsigned(const uint8_t* p) { return {_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p))}; }  // 16 signed bytes
+// 8 unsigned bytes in lanes 0..7 and again in 8..15, for hpick.
+inline H heights(const uint8_t* p) { return {_mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p)))}; }
+inline H hpick(H eights, int k) { return {_mm256_shuffle_epi8(eights.v, _mm256_set1_epi16((int16_t)(2 * k | (2 * k + 1) << 8)))}; }  // lane k everywhere
+// Lanes 0..7: a[2k], lanes 8..15: a[2k + 1].
+inline H hpick2(H a, int k) {
+  const __m256i pair = _mm256_permutevar8x32_epi32(a.v, _mm256_set1_epi32(k));
+  return {_mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                     2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3))};
+}
+inline S scaled(B u, B x, H s) { return {_mm256_madd_epi16(_mm256_maddubs_epi16(u.v, x.v), s.v)}; }
+inline S hdot(H a, H b) { return {_mm256_madd_epi16(a.v, b.v)}; }  // lane k: a[2k] b[2k] + a[2k+1] b[2k+1]
+inline S sadd(S a, S b) { return {_mm256_add_epi32(a.v, b.v)}; }
+inline S szero() { return {_mm256_setzero_si256()}; }
+
+// 32 floats -> 32 bytes q = round(x scale) (to nearest, ties to even: MXCSR's default) and their
+// sums in fours (lane k: q[4k] + .. + q[4k+3]).
+inline void round_bytes(const float* x, float scale, int8_t* q, int32_t* sums) {
+  const __m256 inv = _mm256_set1_ps(scale);
   __m256i i[4];
-  for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));  // MXCSR: to nearest even
+  for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), inv));
   // Pack 4 x 8 int32 into 32 bytes in order (packs interleave 128-bit halves; the permute undoes it).
   const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
   const __m256i bytes = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256((__m256i*)q, bytes);
   const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
   _mm256_storeu_si256((__m256i*)sums, s);
-  return d;
+}
+// max |x| over n floats (n a multiple of 8).
+inline float amax(const float* x, int64_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 top = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; k += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
 }
 
 #else  // portable
@@ -450,16 +476,68 @@ inline float ghsum(G a) {
 inline void gpin(G&) {}
 inline void bpin(B&) {}
 
-inline float quantize(const float* x, int8_t* q, int32_t* sums) {
-  float top = 0.0f;
-  for (int j = 0; j < 32; ++j) top = std::fmax(top, std::fabs(x[j]));
-  const float d = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
-  for (int j = 0; j < 32; ++j) q[j] = (int8_t)std::nearbyint(x[j] * inv);
+typedef int16_t vh __attribute__((vector_size(32)));
+struct H { vh v; };
+inline H hload(const int16_t* p) { H a; std::memcpy(&a.v, p, 32); return a; }
+inline H hset1(int16_t a) { return {vh{} + a}; }
+inline H hset2(int16_t lo, int16_t hi) { H a; for (int k = 0; k < 16; ++k) a.v[k] = k < 8 ? lo : hi; return a; }
+inline H hpairs(const uint8_t* p) { H a; for (int k = 0; k < 16; ++k) a.v[k] = p[k / 2]; return a; }
+inline H hsigned(const uint8_t* p) { H a; for (int k = 0; k < 16; ++k) a.v[k] = (int8_t)p[k]; return a; }
+inline H heights(const uint8_t* p) { H a; for (int k = 0; k < 16; ++k) a.v[k] = p[k % 8]; return a; }
+inline H hpick(H eights, int k) { return hset1(eights.v[k]); }
+inline H hpick2(H a, int k) { return hset2(a.v[2 * k], a.v[2 * k + 1]); }
+inline S scaled(B u, B x, H s) {
+  S r;
+  for (int k = 0; k < 8; ++k) {
+    int32_t p[2];
+    for (int h = 0; h < 2; ++h) {
+      const int j = 4 * k + 2 * h;
+      p[h] = (int32_t)u.v[j] * (int32_t)(int8_t)x.v[j] + (int32_t)u.v[j + 1] * (int32_t)(int8_t)x.v[j + 1];
+    }
+    r.v[k] = (int32_t)s.v[2 * k] * p[0] + (int32_t)s.v[2 * k + 1] * p[1];
+  }
+  return r;
+}
+inline S hdot(H a, H b) {
+  S r;
+  for (int k = 0; k < 8; ++k) r.v[k] = (int32_t)a.v[2 * k] * b.v[2 * k] + (int32_t)a.v[2 * k + 1] * b.v[2 * k + 1];
+  return r;
+}
+inline S sadd(S a, S b) { return {a.v + b.v}; }
+inline S szero() { return {vw{}}; }
+
+inline void round_bytes(const float* x, float scale, int8_t* q, int32_t* sums) {
+  for (int j = 0; j < 32; ++j) q[j] = (int8_t)std::nearbyint(x[j] * scale);
   for (int k = 0; k < 8; ++k) sums[k] = q[4 * k] + q[4 * k + 1] + q[4 * k + 2] + q[4 * k + 3];
-  return d;
+}
+inline float amax(const float* x, int64_t n) {
+  float top = 0.0f;
+  for (int64_t j = 0; j < n; ++j) top = std::fmax(top, std::fabs(x[j]));
+  return top;
 }
 
 #endif
+
+// 32 floats -> 32 bytes q = round(x / d), d = max |x| / 127, and q's sums in fours (lane k:
+// q[4k] + .. + q[4k+3]); returns d (0 for a unit of zeros).
+inline float quantize(const float* x, int8_t* q, int32_t* sums) {
+  const float top = amax(x, 32);
+  round_bytes(x, top > 0.0f ? 127.0f / top : 0.0f, q, sums);
+  return top / 127.0f;
+}
+
+// 256 floats (a K-quant super-block) -> q as quantize() with one d = max |x| / 127 for all 256,
+// and q's sums by 16; returns d.
+inline float quantize256(const float* x, int8_t* q, int16_t* sums16) {
+  const float top = amax(x, 256), scale = top > 0.0f ? 127.0f / top : 0.0f;
+  for (int u = 0; u < 8; ++u) {
+    int32_t fours[8];
+    round_bytes(x + 32 * u, scale, q + 32 * u, fours);
+    sums16[2 * u] = (int16_t)(fours[0] + fours[1] + fours[2] + fours[3]);
+    sums16[2 * u + 1] = (int16_t)(fours[4] + fours[5] + fours[6] + fours[7]);
+  }
+  return top / 127.0f;
+}
 
 }  // namespace bytes
 
