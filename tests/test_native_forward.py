@@ -62,6 +62,10 @@ def test_the_whole_pass_runs_in_the_kernels(quantized, isa):
     model, blocks = quantized
     forward = LlamaForward(model, 512, blocks, isa=isa)
     assert forward.native is not None and forward.kernels is not None and forward.kernels.isa == isa
+    # The 8-bit path caches keys and values in float16 (as llama.cpp does); float32 activations
+    # keep a float32 cache.
+    assert forward.new_cache(8).k.dtype == torch.float16
+    assert LlamaForward(model, 512, blocks, isa=isa, activations="float32").new_cache(8).k.dtype == torch.float32
 
 
 @each_isa

@@ -94,7 +94,7 @@ class ModelDesc(ctypes.Structure):
         ("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
         ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
         ("vocab", ctypes.c_int64), ("max_positions", ctypes.c_int64),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("threads", ctypes.c_int32), ("q8", ctypes.c_int32),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("threads", ctypes.c_int32), ("q8", ctypes.c_int32), ("kv16", ctypes.c_int32),
         ("embed", ctypes.c_void_p), ("embed_blocks", ctypes.POINTER(Mat)), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
         ("lm_head", Mat), ("layers", ctypes.POINTER(LayerDesc)),
     ]

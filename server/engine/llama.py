@@ -189,8 +189,8 @@ class KVCache:
         self.length = 0
         capacity = max(1, min(capacity, forward.max_positions))
         shape = (forward.num_layers, forward.num_kv_heads, capacity, forward.head_dim)
-        self.k = torch.empty(shape, dtype=forward.dtype, device=forward.device)
-        self.v = torch.empty(shape, dtype=forward.dtype, device=forward.device)
+        self.k = torch.empty(shape, dtype=forward.kv_dtype, device=forward.device)
+        self.v = torch.empty(shape, dtype=forward.kv_dtype, device=forward.device)
 
     @property
     def capacity(self) -> int:
@@ -270,8 +270,12 @@ class LlamaForward:
             linear.blocks is not None for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )
         # The whole decoding pass in one kernel call, where every linear layer has blocks.
+        # The 8-bit path keeps its KV cache in float16, as llama.cpp does by default: a one-token
+        # pass at 1,000 tokens of context reads half the cache's bytes. Elsewhere the model's dtype.
         self.native: ModelDesc | None = None
+        self.kv_dtype = self.dtype
         if self.block_kernels and self.attention_kernel is not None and self.lm_head.blocks is not None:
+            self.kv_dtype = torch.float16 if q8 else self.dtype
             self.native = self._describe(config)
             for linear in self._linears():
                 linear.modules = None
@@ -296,6 +300,7 @@ class LlamaForward:
             num_layers=self.num_layers, hidden=config.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, intermediate=config.intermediate_size, vocab=self.vocab_size,
             max_positions=self.max_positions, eps=self.eps, scale=self.scale, threads=1, q8=int(self.activations == "q8"),
+            kv16=int(self.kv_dtype == torch.float16),
             embed=None if self._embed_mats or self.embed is None else self.embed.data_ptr(),
             embed_blocks=ctypes.pointer(self._embed_mats[0]) if self._embed_mats else None,
             cos=self.cos.data_ptr(), sin=self.sin.data_ptr(),
@@ -312,7 +317,7 @@ class LlamaForward:
         linears = self._linears()
         weight_bytes = sum(sum(b.nbytes for b in lin.blocks) if lin.blocks is not None else lin.dense.nbytes
                            for lin in linears)
-        kv_bytes = 2 * self.num_layers * self.num_kv_heads * context * self.head_dim * self.dtype.itemsize
+        kv_bytes = 2 * self.num_layers * self.num_kv_heads * context * self.head_dim * self.kv_dtype.itemsize
         bandwidth = self.kernels.read_bandwidth() if self.kernels is not None else float("nan")
         total = weight_bytes + kv_bytes
         return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bytes_per_pass": total,

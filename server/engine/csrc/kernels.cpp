@@ -20,6 +20,7 @@
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 using namespace simd;
@@ -702,8 +703,8 @@ inline void score_rows(const float* qs, const float* kt, float* scores) {
 // their sums at part + r * (D + 2) + 2), VS L-lane slices of the head dimension at a time: each
 // weight is broadcast once per slice and each value vector loaded once for the GR rows. Every
 // (row, lane) sum still runs over the keys in order, whatever GR and VS are.
-template <int C, int GR>
-inline void weighted_values(const int64_t* rows, int64_t m, const float* scores, const float* values, float* part) {
+template <int C, int GR, class T>
+inline void weighted_values(const int64_t* rows, int64_t m, const float* scores, const T* values, float* part) {
   constexpr int D = L * C;
   constexpr int VS = C < 4 ? C : 4;
   for (int c0 = 0; c0 < C; c0 += VS) {
@@ -712,7 +713,7 @@ inline void weighted_values(const int64_t* rows, int64_t m, const float* scores,
       for (int c = 0; c < VS; ++c) o[g][c] = load(part + rows[g] * (D + 2) + 2 + (c0 + c) * L);
     for (int64_t j = 0; j < m; ++j) {
       F v[VS];
-      for (int c = 0; c < VS; ++c) v[c] = load(values + j * D + (c0 + c) * L);
+      for (int c = 0; c < VS; ++c) v[c] = load_kv(values + j * D + (c0 + c) * L);
       for (int g = 0; g < GR; ++g) {
         const F p = set1(scores[rows[g] * CHUNK + j]);
         for (int c = 0; c < VS; ++c) o[g][c] = fmadd(p, v[c], o[g][c]);
@@ -726,9 +727,9 @@ inline void weighted_values(const int64_t* rows, int64_t m, const float* scores,
 // One item: rows r = t * G + g (token t sees keys < limit[t]) against keys [c0, c1) of one
 // key/value head. Writes per row: max, sum of exp(s - max), sum of exp(s - max) v (D floats);
 // max = -inf when the row sees none of the chunk.
-template <int C>
-void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const float* keys,
-           const float* values, int64_t c0, int64_t c1, float* scores, float* part) {
+template <int C, class T>
+void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const T* keys,
+           const T* values, int64_t c0, int64_t c1, float* scores, float* part) {
   constexpr int D = L * C;
   const int64_t R = n * G, S = c1 - c0;
   std::vector<int64_t> seen(R);  // keys of this chunk each row sees
@@ -737,9 +738,18 @@ void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const fl
   // added). A partial tile points its missing keys at zeros (their scores are never used).
   alignas(64) static const float zeros[D] = {};
   alignas(64) float kt[D * L];
+  alignas(64) float wide[std::is_same_v<T, float> ? 1 : L * D];  // float16 keys, as float32
   for (int64_t j0 = 0; j0 < S; j0 += L) {
     const float* kp[L];
-    for (int j = 0; j < L; ++j) kp[j] = j0 + j < S ? keys + (c0 + j0 + j) * D : zeros;
+    for (int j = 0; j < L; ++j) {
+      if (j0 + j >= S) { kp[j] = zeros; continue; }
+      if constexpr (std::is_same_v<T, float>) {
+        kp[j] = keys + (c0 + j0 + j) * D;
+      } else {
+        for (int c = 0; c < C; ++c) store(wide + j * D + c * L, load_kv(keys + (c0 + j0 + j) * D + c * L));
+        kp[j] = wide + j * D;
+      }
+    }
     for (int c = 0; c < C; ++c) transpose(kp, c * L, kt + c * L * L);
     int64_t r = 0;
     for (; r + 4 <= R; r += 4) score_rows<C, 4>(qs + r * D, kt, scores + r * CHUNK + j0);
@@ -793,41 +803,35 @@ void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const fl
       if (j0 >= seen[r]) continue;
       const int64_t upto = std::min(m, seen[r] - j0);
       if (upto == m) whole.push_back(r);
-      else weighted_values<C, 1>(&r, upto, scores + j0, values + (c0 + j0) * D, part);
+      else weighted_values<C, 1, T>(&r, upto, scores + j0, values + (c0 + j0) * D, part);
     }
     size_t i = 0;
-    for (; i + GR <= whole.size(); i += GR) weighted_values<C, GR>(whole.data() + i, m, scores + j0, values + (c0 + j0) * D, part);
-    for (; i < whole.size(); ++i) weighted_values<C, 1>(whole.data() + i, m, scores + j0, values + (c0 + j0) * D, part);
+    for (; i + GR <= whole.size(); i += GR) weighted_values<C, GR, T>(whole.data() + i, m, scores + j0, values + (c0 + j0) * D, part);
+    for (; i < whole.size(); ++i) weighted_values<C, 1, T>(whole.data() + i, m, scores + j0, values + (c0 + j0) * D, part);
   }
 }
 
-using ChunkFn = void (*)(const float*, int64_t, int64_t, const int64_t*, const float*, const float*,
-                         int64_t, int64_t, float*, float*);
+template <class T>
+using ChunkFn = void (*)(const float*, int64_t, int64_t, const int64_t*, const T*, const T*, int64_t, int64_t, float*, float*);
 
-ChunkFn pick(int64_t D) {
+template <class T>
+ChunkFn<T> pick(int64_t D) {
   switch (D) {
-    case 16: return chunk<16 / L>;
-    case 32: return chunk<32 / L>;
-    case 64: return chunk<64 / L>;
-    case 128: return chunk<128 / L>;
+    case 16: return chunk<16 / L, T>;
+    case 32: return chunk<32 / L, T>;
+    case 64: return chunk<64 / L, T>;
+    case 128: return chunk<128 / L, T>;
     default: return nullptr;
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-int parrot_attention_supports(int64_t head_dim, int64_t heads, int64_t kv_heads) {
-  return kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= 16 && pick(head_dim) != nullptr;
-}
-
-// q [n, heads, D]; k, v [kv_heads, capacity, D] (one layer of one sequence's cache) holding
-// `end` positions, the last n of which are the queries' own. out [n, heads * D].
-void parrot_attention(const float* q, int64_t n, int64_t heads, int64_t D, const float* k, const float* v,
-                      int64_t kv_heads, int64_t capacity, int64_t end, float scale, float* out, int threads) {
+// q [n, heads, D]; k, v [kv_heads, capacity, D] (one layer of one sequence's cache, float32 or
+// float16) holding `end` positions, the last n of which are the queries' own. out [n, heads * D].
+template <class T>
+void attention(const float* q, int64_t n, int64_t heads, int64_t D, const T* k, const T* v,
+               int64_t kv_heads, int64_t capacity, int64_t end, float scale, float* out, int threads) {
   const int64_t G = heads / kv_heads, R = n * G, chunks = (end + CHUNK - 1) / CHUNK;
-  const ChunkFn fn = pick(D);
+  const ChunkFn<T> fn = pick<T>(D);
   std::vector<int64_t> limit(n);
   for (int64_t t = 0; t < n; ++t) limit[t] = end - n + t + 1;  // token t sees positions < limit[t]
   // Partials [kv_heads, chunks, R, D + 2]: max, sum, weighted values.
@@ -867,6 +871,19 @@ void parrot_attention(const float* q, int64_t n, int64_t heads, int64_t D, const
   }
 }
 
+}  // namespace
+
+extern "C" {
+
+int parrot_attention_supports(int64_t head_dim, int64_t heads, int64_t kv_heads) {
+  return kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= 16 && pick<float>(head_dim) != nullptr;
+}
+
+void parrot_attention(const float* q, int64_t n, int64_t heads, int64_t D, const float* k, const float* v,
+                      int64_t kv_heads, int64_t capacity, int64_t end, float scale, float* out, int threads) {
+  attention(q, n, heads, D, k, v, kv_heads, capacity, end, scale, out, threads);
+}
+
 // ---------------------------------------------------------------------------------------------
 // A whole pass of a Llama-family model for sequences that each feed a few tokens.
 
@@ -881,6 +898,7 @@ struct Model {
   float eps, scale;
   int32_t threads;
   int32_t q8;               // 8-bit activations for integer block formats (parrot_linear)
+  int32_t kv16;             // the caches hold float16 (else float32)
   const float* embed;       // [vocab, hidden] float32 rows, or null: rows of embed_blocks
   const Mat* embed_blocks;  // the embedding in blocks (a tied LM head's), expanded per token
   const float* cos;         // [max_positions, head_dim]
@@ -890,11 +908,12 @@ struct Model {
   const Layer* layers;
 };
 
-// One sequence of a pass: its cache (k, v [layers, kv_heads, capacity, head_dim], `start`
-// positions filled), the n tokens it feeds, and how many of its last rows need logits.
+// One sequence of a pass: its cache (k, v [layers, kv_heads, capacity, head_dim], float16 where
+// the model's kv16 is set, else float32; `start` positions filled), the n tokens it feeds, and
+// how many of its last rows need logits.
 struct Seq {
-  float* k;
-  float* v;
+  void* k;
+  void* v;
   int64_t capacity, start, n, num_logits;
 };
 
@@ -974,15 +993,30 @@ void parrot_forward(const Model* md, int64_t num_seqs, const Seq* seqs, const in
         float* r = &qkv[(row + t) * qkv_width];
         rope(r, heads + kvh, D, md->cos + pos * D, md->sin + pos * D);  // q and k heads are adjacent
         for (int64_t h = 0; h < kvh; ++h) {
-          std::memcpy(seq.k + cache_layer + (h * seq.capacity + pos) * D, r + q_width + h * D, D * sizeof(float));
-          std::memcpy(seq.v + cache_layer + (h * seq.capacity + pos) * D, r + q_width + kv_width + h * D, D * sizeof(float));
+          const int64_t at = cache_layer + (h * seq.capacity + pos) * D;
+          const float *kr = r + q_width + h * D, *vr = r + q_width + kv_width + h * D;
+          if (md->kv16) {
+            for (int64_t d = 0; d < D; ++d) {
+              static_cast<uint16_t*>(seq.k)[at + d] = to_half(kr[d]);
+              static_cast<uint16_t*>(seq.v)[at + d] = to_half(vr[d]);
+            }
+          } else {
+            std::memcpy(static_cast<float*>(seq.k) + at, kr, D * sizeof(float));
+            std::memcpy(static_cast<float*>(seq.v) + at, vr, D * sizeof(float));
+          }
         }
       }
       // The attention kernel reads q as [n, heads, D]: gather this sequence's q rows.
       std::vector<float> q(seq.n * q_width);
       for (int64_t t = 0; t < seq.n; ++t) std::memcpy(&q[t * q_width], &qkv[(row + t) * qkv_width], q_width * sizeof(float));
-      parrot_attention(q.data(), seq.n, heads, D, seq.k + cache_layer, seq.v + cache_layer, kvh, seq.capacity,
-                       seq.start + seq.n, md->scale, &att[row * q_width], md->threads);
+      if (md->kv16)
+        attention(q.data(), seq.n, heads, D, static_cast<const uint16_t*>(seq.k) + cache_layer,
+                  static_cast<const uint16_t*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + seq.n, md->scale,
+                  &att[row * q_width], md->threads);
+      else
+        attention(q.data(), seq.n, heads, D, static_cast<const float*>(seq.k) + cache_layer,
+                  static_cast<const float*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + seq.n, md->scale,
+                  &att[row * q_width], md->threads);
       row += seq.n;
     }
     parrot_linear(&layer.o, att.data(), M, tmp.data(), md->threads, md->q8);

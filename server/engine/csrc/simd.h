@@ -294,6 +294,21 @@ inline void transpose(const float* const* src, int64_t col, float* dst) {
 // Blocks of 32 weights are L-lane vectors in PARTS parts.
 constexpr int PARTS = 32 / L;
 
+// float -> float16 bits, rounded to nearest even (the KV cache of the 8-bit path).
+#if defined(PARROT_AVX512) || defined(PARROT_AVX2)
+inline uint16_t to_half(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+#else
+inline uint16_t to_half(float x) {
+  const _Float16 h = (_Float16)x;
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+#endif
+// L lanes of a KV cache row, float32 or float16.
+inline F load_kv(const float* p) { return load(p); }
+inline F load_kv(const uint16_t* p) { return load_f16((const uint8_t*)p); }
+
 
 // ---------------------------------------------------------------------------------------------
 // 8-bit integer dot products, 32 bytes at a time in every build (the AVX-512 build uses the same
