@@ -16,6 +16,9 @@
    measured here.
 3. Exactness: Parrot greedy with drafting on equals drafting off, on ``--exact-prompts`` prompts;
    and a numerics check against transformers float32 (``loadtests/numerics.py``).
+4. A model the size users run (``--large``, default the synthetic 1B Q4_K_M): Parrot's plain
+   decoding, passes and prompt rate against ``llama-bench`` on the same file, and resident
+   memory beside the file size (``loadtests/large_model.py``).
 
 Prints tables and writes loadtests/results/bench_peers.json, with the CPU and its flags.
 """
@@ -186,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--numerics-per-task", type=int, default=2,
                         help="prompts per task for the check against transformers float32 (0: skip)")
     parser.add_argument("--kernels", default=None, help="Parrot's kernel set (PARROT_KERNELS; default: the best this CPU runs)")
+    parser.add_argument("--large", default="1B:Q4_K_M",
+                        help="synthetic model PARAMS:TYPE for the plain-decoding and memory table "
+                             "(loadtests/large_model.py), or none")
     parser.add_argument("--port", type=int, default=8731)
     parser.add_argument("--out", default=str(RESULTS / "bench_peers.json"))
     args = parser.parse_args(argv)
@@ -277,12 +283,19 @@ def main(argv: list[str] | None = None) -> int:
 
         numerics = compare(prompts_per_task(args.numerics_per_task))
 
+    large = None
+    if args.large != "none":
+        from loadtests import large_model
+
+        params, kind = args.large.split(":")
+        large = large_model.run(params, kind, llama_bench_bin, args.threads, port=args.port + 10)
+
     summary: dict[str, Any] = {}
     for name in names:
         summary[name] = {task: rates([p["runs"][name] for p in per_prompt if p["task"] == task]) for task in TASKS}
         summary[name]["copy_tasks"] = rates([p["runs"][name] for p in per_prompt if p["task"] in COPY_TASKS])
     result = {**info, "systems": names, "summary": summary, "pass_costs": {"parrot": parrot_costs, "llama_cpp": llama_costs},
-              "exactness": exact, "numerics": numerics, "memory": memory, "per_prompt": per_prompt}
+              "exactness": exact, "numerics": numerics, "memory": memory, "large_model": large, "per_prompt": per_prompt}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(render(result))
     print(f"wrote {args.out}")
@@ -348,6 +361,10 @@ def render(result: dict[str, Any]) -> str:
                      f"{numerics['max_logit_diff']:.2g}; top-2 gaps at divergences: {gaps} "
                      f"({numerics['near_ties']} within twice their prompt's logit difference; "
                      f"{numerics.get('activations', 'q8')} activations)")
+    if result.get("large_model"):
+        from loadtests.large_model import render as render_large
+
+        lines += ["", render_large(result["large_model"])]
     return "\n".join(lines)
 
 
