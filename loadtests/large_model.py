@@ -69,10 +69,10 @@ def in_process(path: str, depth: int, prompt: int, decode: int = 64, rounds: int
     forward.forward([(cache, ids[:depth], 1)])
     times: dict[int, list[float]] = {1: [], 8: []}
     for _ in range(rounds):
-        for n in times:
+        for n, spent in times.items():
             begin = time.perf_counter()
             forward.forward([(cache, ids[depth:depth + n], n)])
-            times[n].append(time.perf_counter() - begin)
+            spent.append(time.perf_counter() - begin)
             cache.crop(depth)
     kv_bytes = cache.k.numel() * cache.k.element_size() * 2
     loops = []
@@ -150,15 +150,14 @@ def render(result: dict[str, Any]) -> str:
     def ms(value: float | None) -> str:
         return "—" if value is None else f"{value:.1f}"
 
-    lines = [f"Synthetic {result['params']} {result['type']} ({result['gguf_bytes'] / mb:.0f} MB), plain decoding, "
-             f"{result['threads']} threads", "",
+    tokens, theirs_tg = result["max_tokens"], result["llama_decode_tok_s"]
+    lines = [(f"Synthetic {result['params']} {result['type']} ({result['gguf_bytes'] / mb:.0f} MB), plain decoding, "
+              f"{result['threads']} threads"), "",
              "| measure | Parrot | llama.cpp | Parrot / llama.cpp |", "|---|---:|---:|---:|",
-             f"| decode tok/s ({result['max_tokens']} tokens; Parrot served, llama-bench tg) | "
-             f"{result['parrot_decode_tok_s']:.1f} | {ms(result['llama_decode_tok_s'])} | "
-             f"{ratio(result['parrot_decode_tok_s'], result['llama_decode_tok_s'])} |",
-             f"| decode tok/s, loop without a server ({result['max_tokens']} tokens; Parrot in process, llama-bench tg) | "
-             f"{ours['decode_loop_tok_s']:.1f} | {ms(result['llama_decode_tok_s'])} | "
-             f"{ratio(ours['decode_loop_tok_s'], result['llama_decode_tok_s'])} |"]
+             (f"| decode tok/s ({tokens} tokens; Parrot served, llama-bench tg) | {result['parrot_decode_tok_s']:.1f} | "
+              f"{ms(theirs_tg)} | {ratio(result['parrot_decode_tok_s'], theirs_tg)} |"),
+             (f"| decode tok/s, loop without a server ({tokens} tokens; Parrot in process, llama-bench tg) | "
+              f"{ours['decode_loop_tok_s']:.1f} | {ms(theirs_tg)} | {ratio(ours['decode_loop_tok_s'], theirs_tg)} |")]
     for n in ("1", "8"):
         mine, peer = ours["pass_ms"][n], (theirs.get("pass_ms") or {}).get(n)
         lines.append(f"| {n}-token pass at {result['depth']} tokens of context, ms | {mine:.1f} | {ms(peer)} | "
@@ -167,11 +166,11 @@ def render(result: dict[str, Any]) -> str:
                  f"{ms(theirs.get('prompt_ms_per_token'))} | {ratio(ours['prompt_ms_per_token'], theirs.get('prompt_ms_per_token'))} |")
     base, after, kv, size = ours["baseline_bytes"], ours["after_passes_bytes"], ours["kv_bytes"], result["gguf_bytes"]
     limit = base + 1.3 * size + kv
-    lines += ["", f"Memory: resident {after / mb:.0f} MB after the passes = baseline {base / mb:.0f} MB (Python, torch, "
-              f"server modules) + {(after - base) / mb:.0f} MB; file {size / mb:.0f} MB, KV cache {kv / mb:.0f} MB "
-              f"({ours['kv_positions']} positions); rule baseline + 1.3 x file + KV = {limit / mb:.0f} MB: "
-              f"{'holds' if after <= limit else 'exceeded'}. Server: {result['server_resident_after_requests'] / mb:.0f} MB "
-              f"after the requests."]
+    lines += ["", (f"Memory: resident {after / mb:.0f} MB after the passes = baseline {base / mb:.0f} MB (Python, torch, "
+                   f"server modules) + {(after - base) / mb:.0f} MB; file {size / mb:.0f} MB, KV cache {kv / mb:.0f} MB "
+                   f"({ours['kv_positions']} positions); rule baseline + 1.3 x file + KV = {limit / mb:.0f} MB: "
+                   f"{'holds' if after <= limit else 'exceeded'}. Server: "
+                   f"{result['server_resident_after_requests'] / mb:.0f} MB after the requests.")]
     return "\n".join(lines)
 
 
