@@ -404,7 +404,7 @@ inline void qtile(const W& w, const XQ& x, int64_t row, int64_t n, float* y, int
       const G dx = gload(&x.d[at * 8]);
       for (int j = 0; j < NT; ++j) {
         S sum = W::SIGNED ? pair(dot(u[j][0], sign_of(xa, sg[j][0])), dot(u[j][1], sign_of(xb, sg[j][1])))
-                          : pair(dot(u[j][0], xa), dot(u[j][1], xb));
+                          : pair_dots(u[j][0], xa, u[j][1], xb);
         if constexpr (W::SHIFT > 0) sum = ssub(sum, sshl(sload(&x.sums[at * 8]), W::SHIFT));
         acc[i][j] = gfmadd(gfloat(sum), gmul(dw[j], dx), acc[i][j]);
         if constexpr (W::MIN) acc[i][j] = gfmadd(mw[j], gload(&x.s[at * 8]), acc[i][j]);
