@@ -460,6 +460,17 @@ struct XK {
   }
 };
 
+// A row's super-block sum into its accumulator: the offset (SHIFT) or min (MIN) term from the
+// row's sums by 16, one conversion, scaled by d (and dmin) times the row's multiplier.
+template <class W>
+inline void super_done(const Super& sup, const XK& x, int64_t at, bytes::S total, bytes::G& acc) {
+  using namespace bytes;
+  const H sums = hload(&x.sums[at * 16]);
+  if constexpr (W::SHIFT > 0) total = ssub(total, sshl(hdot(sup.group, sums), W::SHIFT));
+  acc = gfmadd(gfloat(total), gset1(sup.d * x.d[at]), acc);
+  if constexpr (W::MIN) acc = gfmadd(gfloat(hdot(sup.group, sums)), gset1(-(sup.dmin * x.d[at])), acc);
+}
+
 // MT rows of x against NT weight rows, a super-block at a time: each unit's byte products go
 // through its integer scale into one int32 sum per (row, weight row); the super-block's sum is
 // converted and scaled once, its min or offset term (the row's sums by 16 times `group`)
@@ -480,6 +491,7 @@ inline void ktile(const W& w, const XK& x, int64_t row, int64_t n, float* y, int
     S sum[MT][NT];
     for (int i = 0; i < MT; ++i)
       for (int j = 0; j < NT; ++j) sum[i][j] = szero();
+#pragma GCC unroll 8
     for (int u = 0; u < 8; ++u) {
       for (int j = 0; j < NT; ++j) {
         if (u % 2 == 0) __builtin_prefetch(blk[j] + AHEAD + 32 * u);  // the super-block's lines
@@ -489,16 +501,8 @@ inline void ktile(const W& w, const XK& x, int64_t row, int64_t n, float* y, int
           sum[i][j] = sadd(sum[i][j], scaled(wu, load((const uint8_t*)&x.q[((row + i) * x.supers + sb) * 256 + 32 * u]), scale));
       }
     }
-    for (int i = 0; i < MT; ++i) {
-      const int64_t at = (row + i) * x.supers + sb;
-      const H sums = hload(&x.sums[at * 16]);
-      for (int j = 0; j < NT; ++j) {
-        S total = sum[i][j];
-        if constexpr (W::SHIFT > 0) total = ssub(total, sshl(hdot(sup[j].group, sums), W::SHIFT));
-        acc[i][j] = gfmadd(gfloat(total), gset1(sup[j].d * x.d[at]), acc[i][j]);
-        if constexpr (W::MIN) acc[i][j] = gfmadd(gfloat(hdot(sup[j].group, sums)), gset1(-(sup[j].dmin * x.d[at])), acc[i][j]);
-      }
-    }
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < NT; ++j) super_done<W>(sup[j], x, (row + i) * x.supers + sb, sum[i][j], acc[i][j]);
   }
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) y[i * ldy + n + j] = ghsum(acc[i][j]);
