@@ -8,7 +8,7 @@ PORT   ?= 8000
 # The stamp is rebuilt when the dependency list changes; otherwise `make install` is a no-op.
 STAMP  := $(VENV)/.parrot-installed
 
-.PHONY: install serve test bench bench-drafter bench-grammar bench-peers bench-tokenizer replay-grammar clean
+.PHONY: install serve test bench bench-drafter bench-grammar bench-peers bench-tokenizer replay-grammar replay-sessions clean
 
 install: $(STAMP)
 
@@ -47,6 +47,9 @@ bench-peers: install
 
 replay-grammar: install
 	$(PY) -m loadtests.replay_grammar
+
+replay-sessions: install
+	$(PY) -m loadtests.replay_sessions
 
 bench-tokenizer: install
 	$(PY) -m loadtests.bench_tokenizer
