@@ -52,6 +52,8 @@ def chat(url: str, prompt: str, user: str, session: bool, max_tokens: int) -> di
                     last = now
                     text.append(piece)
     end = time.perf_counter()
+    if usage is None:
+        raise RuntimeError("the stream ended without usage")
     tokens = usage["completion_tokens"]
     decode = (last or end) - (first or end)
     spec = usage.get("speculation", {})
