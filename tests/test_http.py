@@ -126,6 +126,31 @@ def test_logprobs_cover_the_output(client, http_server):
     assert "".join(lp["tokens"]) == comp["choices"][0]["text"]
 
 
+def test_streamed_logprobs_cover_tokens_that_make_no_text_yet(client, http_server):
+    # Emoji take several tokens each; the tokens before a character's last make no text, and
+    # their logprobs must still be streamed (in chunks with an empty delta), none dropped.
+    ask = [{"role": "user", "content": "Write three emoji and the Japanese word for cat."}]
+    whole = _chat(client, messages=ask, temperature=0, max_tokens=40, logprobs=True, top_logprobs=1)
+    streamed, textless = [], 0
+    for chunk in _chat(client, messages=ask, temperature=0, max_tokens=40, logprobs=True, top_logprobs=1, stream=True):
+        for choice in chunk.choices:
+            entries = choice.logprobs.content if choice.logprobs and choice.logprobs.content else []
+            streamed += entries
+            textless += bool(entries) and not choice.delta.content
+    assert textless > 0  # the prompt does produce tokens without text (else this checks nothing)
+    assert [e.token for e in streamed] == [e.token for e in whole.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == [e.logprob for e in whole.choices[0].logprobs.content]
+    comp = {"prompt": "Three emoji: ", "max_tokens": 30, "temperature": 0, "logprobs": 1}
+    plain = httpx.post(http_server.url + "/v1/completions", json=comp, timeout=60).json()["choices"][0]["logprobs"]
+    tokens = []
+    with httpx.stream("POST", http_server.url + "/v1/completions", json={**comp, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    tokens += (choice.get("logprobs") or {}).get("tokens") or []
+    assert tokens == plain["tokens"]
+
+
 def test_predicted_outputs_are_accepted_when_the_prediction_is_right(client):
     messages = [{"role": "user", "content": "Repeat this sentence exactly: " + DOC}]
     plain = _chat(client, messages=messages, temperature=0, max_tokens=60)

@@ -232,7 +232,8 @@ class _Completions(_Format):
 
     def delta(self, choice: Choice, out: StepOutput) -> dict[str, Any] | None:
         echo = self.echo and choice.index not in self.started
-        if not (out.text or out.finished or echo):
+        # A step whose tokens make no text yet (part of a character) still carries its logprobs.
+        if not (out.text or out.finished or echo or (self.logprobs and out.logprobs)):
             return None
         self.started.add(choice.index)
         return {"index": choice.index, "text": self._echo_text(choice, echo) + out.text,
@@ -303,8 +304,8 @@ class _Chat(_Format):
                 delta["tool_calls"] = _call_deltas(events)
             if reader.calls and finish == "stop":
                 finish = "tool_calls"
-        if not (delta or out.finished):
-            return None
+        if not (delta or out.finished or (self.logprobs and out.logprobs)):
+            return None  # a step with no text (part of a character, a held-back tag) and no logprobs asked
         return {"index": choice.index, "delta": delta, "logprobs": self._logprobs(out.logprobs or []),
                 "finish_reason": finish if out.finished else None}
 
