@@ -130,7 +130,7 @@ def stream_chat(url: str, prompt: str, max_tokens: int, extra: dict[str, Any]) -
     first = first or end
     last = last or end
     return {"tokens": tokens, "ttft_s": first - start, "decode_s": last - first, "total_s": end - start,
-            "text": "".join(text)}
+            "text": "".join(text), "speculation": (usage or {}).get("speculation", {})}
 
 
 def rates(runs: list[dict[str, Any]]) -> dict[str, float | None]:

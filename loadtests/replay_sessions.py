@@ -25,40 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from loadtests.bench_engine import DATA, RESULTS, machine
 
 
 def chat(url: str, prompt: str, user: str, session: bool, max_tokens: int) -> dict[str, Any]:
-    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "user": user,
-            "speculation": {"session": session}}
-    start = time.perf_counter()
-    first = last = None
-    text, usage = [], None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            usage = event.get("usage") or usage
-            for choice in event.get("choices", []):
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    text.append(piece)
-    end = time.perf_counter()
-    if usage is None:
-        raise RuntimeError("the stream ended without usage")
-    tokens = usage["completion_tokens"]
-    decode = (last or end) - (first or end)
-    spec = usage.get("speculation", {})
-    return {"tokens": tokens, "decode_s": decode, "total_s": end - start, "text": "".join(text),
-            "drafted": spec.get("drafted_tokens", 0), "accepted": spec.get("accepted_tokens", 0)}
+    from loadtests.bench_peers import stream_chat
+
+    run = stream_chat(url, prompt, max_tokens, {"user": user, "speculation": {"session": session}})
+    return {**run, "drafted": run["speculation"].get("drafted_tokens", 0), "accepted": run["speculation"].get("accepted_tokens", 0)}
 
 
 def main(argv: list[str] | None = None) -> int:
