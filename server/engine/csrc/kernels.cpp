@@ -299,14 +299,21 @@ struct Tiles {
   int64_t count;
 };
 
-template <int MT, int NT, class W>
-Tiles tiles(const W& w, const float* x, int64_t M, int64_t K, float* y, int64_t N, int64_t ldy) {
+// Tiles of NT of N weight rows: tile t runs columns(n, width) for n = t NT with width NT, or,
+// for a last tile narrower than NT, for each of its rows with width 1 (a std::integral_constant).
+template <int NT, class Columns>
+Tiles row_tiles(int64_t N, Columns columns) {
   return {[=](int64_t t) {
             const int64_t n = t * NT;
-            if (n + NT <= N) columns<MT, NT>(w, x, M, K, n, y, ldy);
-            else for (int64_t c = n; c < N; ++c) columns<MT, 1>(w, x, M, K, c, y, ldy);
+            if (n + NT <= N) columns(n, std::integral_constant<int, NT>{});
+            else for (int64_t c = n; c < N; ++c) columns(c, std::integral_constant<int, 1>{});
           },
           (N + NT - 1) / NT};
+}
+
+template <int MT, int NT, class W>
+Tiles tiles(const W& w, const float* x, int64_t M, int64_t K, float* y, int64_t N, int64_t ldy) {
+  return row_tiles<NT>(N, [=](int64_t n, auto width) { columns<MT, decltype(width)::value>(w, x, M, K, n, y, ldy); });
 }
 
 // Tile shapes by the number of rows, so that each weight block is expanded once per pass for up
@@ -432,12 +439,7 @@ inline void qcolumns(const W& w, const XQ& x, int64_t M, int64_t n, float* y, in
 
 template <int MT, int NT, class W>
 Tiles qtiles(const W& w, const XQ& x, int64_t M, float* y, int64_t N, int64_t ldy) {
-  return {[=, &x](int64_t t) {
-            const int64_t n = t * NT;
-            if (n + NT <= N) qcolumns<MT, NT>(w, x, M, n, y, ldy);
-            else for (int64_t c = n; c < N; ++c) qcolumns<MT, 1>(w, x, M, c, y, ldy);
-          },
-          (N + NT - 1) / NT};
+  return row_tiles<NT>(N, [=, &x](int64_t n, auto width) { qcolumns<MT, decltype(width)::value>(w, x, M, n, y, ldy); });
 }
 
 template <class W>
@@ -517,12 +519,7 @@ inline void kcolumns(const W& w, const XK& x, int64_t M, int64_t n, float* y, in
 
 template <int MT, int NT, class W>
 Tiles ktiles(const W& w, const XK& x, int64_t M, float* y, int64_t N, int64_t ldy) {
-  return {[=, &x](int64_t t) {
-            const int64_t n = t * NT;
-            if (n + NT <= N) kcolumns<MT, NT>(w, x, M, n, y, ldy);
-            else for (int64_t c = n; c < N; ++c) kcolumns<MT, 1>(w, x, M, c, y, ldy);
-          },
-          (N + NT - 1) / NT};
+  return row_tiles<NT>(N, [=, &x](int64_t n, auto width) { kcolumns<MT, decltype(width)::value>(w, x, M, n, y, ldy); });
 }
 
 template <class W>
