@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         server.wait()
         for index, row in enumerate(rows):
             entry: dict[str, Any] = {"id": row["id"]}
-            for k, mode in enumerate(["on", "off"] if index % 2 == 0 else ["off", "on"]):
+            for mode in (["on", "off"] if index % 2 == 0 else ["off", "on"]):
                 user = f"replay-{index}-{mode}"
                 entry[f"turn1_{mode}"] = chat(server.url, row["prompt"], user, True, args.max_tokens)
                 entry[f"turn2_{mode}"] = chat(server.url, row["prompt"], user, mode == "on", args.max_tokens)
