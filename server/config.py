@@ -68,6 +68,9 @@ class ServerConfig:
     session_drafting: bool = False
     session_tokens: int = 8192
     session_tenants: int = 256
+    # JSON schemas with keywords a grammar cannot enforce: served (the rest enforced, the output
+    # checked against the whole schema afterwards) unless this is on, then refused with a 400.
+    strict_schemas: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

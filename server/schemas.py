@@ -173,7 +173,12 @@ class _GenerationFields(_Strict):
         if rf is not None:
             kind = rf.get("type")
             if kind == "json_object":
-                found.append(("response_format", "json_schema", {"type": "object"}))
+                # Some clients send the schema along (instructor's JSON_SCHEMA mode): it is used.
+                schema = rf.get("schema", {"type": "object"})
+                if not isinstance(schema, dict):
+                    raise APIError(400, "response_format json_object's 'schema' must be an object",
+                                   param="response_format", code="invalid_value")
+                found.append(("response_format", "json_schema", schema))
             elif kind == "json_schema":
                 spec = rf.get("json_schema")
                 if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
@@ -192,6 +197,13 @@ class _GenerationFields(_Strict):
             raise APIError(400, f"give one output constraint, not {len(found)} ({', '.join(f[0] for f in found)})",
                            param=found[1][0], code="invalid_value")
         return found[0] if found else None
+
+    def strict_schema(self) -> bool:
+        """``response_format`` json_schema with ``strict: true``: a schema keyword the grammar cannot
+        enforce is refused (400, as OpenAI does), not served and checked afterwards."""
+        rf = self.response_format or {}
+        spec = rf.get("json_schema") if rf.get("type") == "json_schema" else None
+        return isinstance(spec, dict) and spec.get("strict") is True
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -137,7 +137,8 @@ class ResponsesRequest(_Strict):
                 raise APIError(400, "text.format of type json_schema needs a 'schema'", param="text.format.schema",
                                code="missing_required_parameter")
             fields["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": text_format.name or "response", "schema": text_format.json_schema}}
+                "name": text_format.name or "response", "schema": text_format.json_schema,
+                "strict": text_format.strict}}
         try:
             return ChatCompletionRequest.model_validate(fields)
         except ValidationError as exc:  # the same checks as chat's, said about this request

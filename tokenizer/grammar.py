@@ -34,6 +34,9 @@ from tokenizer.loader import Tokenizer
 
 TokenId = int
 MAX_BACKOFF = 4
+# llguidance's options for JSON schemas with keywords a grammar cannot enforce: compile what it
+# can (unimplemented keywords and unknown formats are ignored, oneOf is read as anyOf) and warn.
+LENIENT: Any = {"lenient": True, "coerce_one_of": True}
 
 
 class GrammarError(ValueError):
@@ -184,20 +187,23 @@ class GrammarCompiler:
         hf: Any = tokenizer.hf  # a fast (tokenizers-backed) tokenizer
         self.llg_tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=tokenizer.vocab_size)
         self.index = TokenBytes(tokenizer, self.llg_tokenizer)
-        # grammar text -> a pristine matcher, deep-copied for each request (cheaper than compiling)
-        self._cache: OrderedDict[str, Any] = OrderedDict()
+        # grammar text -> (a pristine matcher, deep-copied for each request as that is cheaper than
+        # compiling; llguidance's warnings)
+        self._cache: OrderedDict[str, tuple[Any, tuple[str, ...]]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
-    def grammar_text(self, kind: str, spec: Any) -> str:
-        """llguidance grammar for ``kind`` in json_schema | regex | choice | lark."""
+    def grammar_text(self, kind: str, spec: Any, lenient: bool = False) -> str:
+        """llguidance grammar for ``kind`` in json_schema | regex | choice | lark; ``lenient``:
+        a JSON schema's keywords the grammar cannot enforce are left out (``unenforced`` says which)."""
         M = self._llg.LLMatcher
         try:
             if kind == "json_schema":
                 schema = json.loads(spec) if isinstance(spec, str) else spec
                 # Compact separators: more of the output is forced, and small models cannot wander
                 # off into endless whitespace.
-                return M.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+                return M.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False},
+                                                  overrides=LENIENT if lenient else None)
             if kind == "regex":
                 return M.grammar_from_regex(spec)
             if kind == "choice":
@@ -211,13 +217,19 @@ class GrammarCompiler:
             raise GrammarError(str(exc)) from None
         raise GrammarError(f"unknown constraint kind {kind!r}")
 
-    def compile(self, kind: str, spec: Any) -> str:
+    def compile(self, kind: str, spec: Any, lenient: bool = False) -> str:
         """A validated grammar text; GrammarError with llguidance's message if it is invalid."""
-        text = self.grammar_text(kind, spec)
+        text = self.grammar_text(kind, spec, lenient)
         self._template(text)
         return text
 
-    def _template(self, text: str) -> Any:
+    def unenforced(self, grammar_text: str) -> list[str]:
+        """llguidance's warnings about a compiled grammar: for a lenient JSON schema, the keywords
+        and formats it does not enforce (``Unimplemented keys: ["not"]``, ``Unknown format: ...``)."""
+        return list(self._template(grammar_text)[1])
+
+    def _template(self, text: str) -> tuple[Any, tuple[str, ...]]:
+        """The pristine matcher of a grammar and llguidance's warnings about it (cached)."""
         with self._lock:
             if text in self._cache:
                 self._cache.move_to_end(text)
@@ -229,11 +241,11 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         with self._lock:
-            self._cache[text] = matcher
+            self._cache[text] = (matcher, tuple(messages))
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return matcher
+        return matcher, tuple(messages)
 
     def new_state(self, grammar_text: str, fast_forward: bool = True) -> Grammar:
         """A fresh grammar state for one request."""
-        return Grammar(self._template(grammar_text).deep_copy(), self.index, fast_forward)
+        return Grammar(self._template(grammar_text)[0].deep_copy(), self.index, fast_forward)

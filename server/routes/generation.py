@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,16 +13,24 @@ from typing import Any
 
 from fastapi import Request
 
-from server.engine.engine import GenerationRequest, SpeculationParams, StepOutput, TokenLogprob
+from server.engine.engine import (
+    GenerationRequest,
+    SpeculationParams,
+    StepOutput,
+    TokenLogprob,
+)
 from server.engine.errors import ContextWindowExceeded, EngineRequestError
 from server.engine.interface import SPECULATION_COUNTERS
 from server.engine.loader import LoadedModel
 from server.engine.scheduler import EngineError, QueueFull, RequestHandle, Scheduler
 from server.errors import APIError
+from server.schema_check import SchemaCheck
 from server.schemas import SpeculationOptions, _GenerationFields
 from server.sessions import tenant_of
 from server.state import ServerState
 from tokenizer.grammar import Grammar, GrammarError
+
+log = logging.getLogger("parrot.http")
 
 
 def check_model(loaded: LoadedModel, requested: str | None) -> None:
@@ -91,23 +100,77 @@ def speculation_params(options: SpeculationOptions | None) -> SpeculationParams:
     return SpeculationParams(enabled=options.enabled, max_draft=options.max_draft, fast_forward=options.fast_forward)
 
 
-async def compile_constraint(state: ServerState, req: _GenerationFields) -> str | None:
-    """The request's validated grammar text (cached by the compiler), or None; 400 quoting llguidance."""
+@dataclass(frozen=True)
+class Constraint:
+    """A request's compiled output constraint. For a JSON schema: ``check``, the validator every
+    finished output is checked against (the whole schema), and ``unenforced``, what the grammar
+    left out of it, in llguidance's words (empty unless the schema was compiled leniently)."""
+
+    param: str
+    grammar: str
+    check: SchemaCheck | None = None
+    unenforced: tuple[str, ...] = ()
+
+    def headers(self) -> dict[str, str]:
+        """``X-Parrot-Schema-Unenforced``: the unenforced keywords, when there are any."""
+        if not self.unenforced:
+            return {}
+        text = "; ".join(" ".join(w.split()) for w in self.unenforced)
+        return {"X-Parrot-Schema-Unenforced": text.encode("ascii", "backslashreplace").decode()}
+
+    def report(self, choices: list[Choice]) -> dict[str, Any]:
+        """``{"schema_check": ...}`` for a JSON schema: the unenforced keywords and, per choice,
+        whether its output validated against the whole schema (null when it did not finish)."""
+        if self.check is None:
+            return {}
+        rows = []
+        for c in choices:
+            if c.finish_reason != "stop":
+                rows.append({"index": c.index, "valid": None, "error": f"not finished ({c.finish_reason})"})
+                continue
+            error = self.check.check(c.text)
+            rows.append({"index": c.index, "valid": error is None, "error": error})
+            if error is not None:
+                log.warning("%s: output %d does not validate against the schema: %s", self.param, c.index, error)
+        return {"schema_check": {"unenforced": list(self.unenforced), "choices": rows}}
+
+
+async def compile_constraint(state: ServerState, req: _GenerationFields) -> Constraint | None:
+    """The request's validated grammar (cached by the compiler), or None; 400 quoting llguidance.
+
+    A JSON schema compiles leniently (keywords the grammar cannot enforce are left out, then
+    checked after generation) unless the request says ``strict: true`` or the server has
+    ``strict_schemas`` on: then they are refused. An invalid schema is a 400 with its reason."""
     constraint = req.constraint()
     if constraint is None:
         return None
     param, kind, spec = constraint
+    check = None
+    if kind == "json_schema":
+        try:
+            check = SchemaCheck(spec)
+        except ValueError as exc:
+            raise APIError(400, f"invalid {param}: {exc}", param=param, code="invalid_schema") from None
+    lenient = check is not None and not (req.strict_schema() or state.config.server.strict_schemas)
     compiler = state.grammar_compiler()
     try:
-        return await asyncio.to_thread(compiler.compile, kind, spec)
+        grammar = await asyncio.to_thread(compiler.compile, kind, spec, lenient)
     except GrammarError as exc:
-        raise APIError(400, f"invalid {param}: {exc}", param=param, code="invalid_grammar") from None
+        refused = ""
+        if check is not None and not lenient:
+            who = "the request's strict: true" if req.strict_schema() else "this server (server.strict_schemas)"
+            refused = f" ({who} refuses keywords the grammar cannot enforce)"
+        raise APIError(400, f"invalid {param}: {exc}{refused}", param=param, code="invalid_grammar") from None
+    unenforced = tuple(compiler.unenforced(grammar)) if lenient else ()
+    if unenforced:
+        log.warning("%s: schema served without enforcing: %s", param, "; ".join(unenforced))
+    return Constraint(param, grammar, check, unenforced)
 
 
-def grammar_state(state: ServerState, grammar_text: str | None, spec: SpeculationParams) -> Grammar | None:
-    if grammar_text is None:
+def grammar_state(state: ServerState, constraint: Constraint | None, spec: SpeculationParams) -> Grammar | None:
+    if constraint is None:
         return None
-    return state.grammar_compiler().new_state(grammar_text, fast_forward=spec.fast_forward)
+    return state.grammar_compiler().new_state(constraint.grammar, fast_forward=spec.fast_forward)
 
 
 @dataclass

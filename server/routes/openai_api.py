@@ -31,6 +31,7 @@ from server.engine.sampling import SamplingParams
 from server.errors import APIError
 from server.routes.generation import (
     Choice,
+    Constraint,
     check_context,
     check_model,
     collect,
@@ -387,24 +388,25 @@ def chat_prompt(loaded: LoadedModel, body: ChatCompletionRequest) -> tuple[list[
 
 async def generation_requests(state: ServerState, loaded: LoadedModel, body: CompletionRequest | ChatCompletionRequest,
                               kept: list[list[int]], param: str, logprobs: int | None, prompt_logprobs: int | None,
-                              session: list[list[int]]) -> tuple[list[GenerationRequest], list[int] | None]:
-    """The engine requests of ``body.n`` choices for each prompt (ids after truncation), and the
-    prediction's ids (if any). ``session``: earlier texts of the tenant, to draft from."""
+                              session: list[list[int]]) -> tuple[list[GenerationRequest], list[int] | None, Constraint | None]:
+    """The engine requests of ``body.n`` choices for each prompt (ids after truncation), the
+    prediction's ids (if any) and the output constraint (if any). ``session``: earlier texts of
+    the tenant, to draft from."""
     vocab_size = loaded.forward.vocab_size
     params = [sampling_params(body, check_context(loaded, len(ids), body.token_limit(), param), logprobs,
                               prompt_logprobs, vocab_size) for ids in kept]
     prediction = loaded.tokenizer.encode(body.prediction.text()) if body.prediction is not None else None
     spec = speculation_params(body.speculation)
-    grammar = await compile_constraint(state, body)
+    constraint = await compile_constraint(state, body)
     # Choice j of each prompt draws its own random numbers (with a seed: keyed by the seed and j).
     context = ([prediction] if prediction else []) + session
     requests = [
         GenerationRequest(ids, dataclasses.replace(prompt_params, choice=j), spec, context,
-                          grammar_state(state, grammar, spec))
+                          grammar_state(state, constraint, spec))
         for ids, prompt_params in zip(kept, params)
         for j in range(body.n)
     ]
-    return requests, prediction
+    return requests, prediction, constraint
 
 
 async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: CompletionRequest | ChatCompletionRequest,
@@ -419,7 +421,10 @@ async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: C
     truncation = _truncation(body, sum(len(ids) for ids in prompts), prompt_tokens)
     tenant = session_of(state, http, body)
     session = state.sessions.context(tenant) if tenant is not None and state.sessions is not None else []
-    requests, prediction = await generation_requests(state, loaded, body, kept, param, logprobs, prompt_logprobs, session)
+    requests, prediction, constraint = await generation_requests(state, loaded, body, kept, param, logprobs,
+                                                                  prompt_logprobs, session)
+    checked = constraint.report if constraint is not None else lambda choices: {}
+    headers = constraint.headers() if constraint is not None else {}
     response_id, created = new_id(fmt.id_prefix), int(time.time())
 
     def envelope(kind: str) -> dict[str, Any]:
@@ -430,7 +435,8 @@ async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: C
         remember(state, tenant, kept, choices)
         _count_prediction(state, prediction, choices)
         return JSONResponse({**envelope(fmt.response_object), "choices": [fmt.choice(c) for c in choices],
-                             "usage": usage(prompt_tokens, choices, prediction), **truncation, **fmt.extra(choices)})
+                             "usage": usage(prompt_tokens, choices, prediction), **truncation, **fmt.extra(choices),
+                             **checked(choices)}, headers=headers)
 
     choices, outputs = await stream_outputs(state, requests, fmt.path)
 
@@ -447,12 +453,15 @@ async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: C
             if delta is not None:
                 yield chunk([delta])
         remember(state, tenant, kept, choices)
+        report = checked(choices)
+        if report:  # after every choice finished: was each output valid against the whole schema
+            yield chunk([], **report)
         if body.stream_options is not None and body.stream_options.include_usage:
             _count_prediction(state, prediction, choices)
             yield chunk([], usage=usage(prompt_tokens, choices, prediction), **truncation)
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(_guard(events()), media_type="text/event-stream")
+    return StreamingResponse(_guard(events()), media_type="text/event-stream", headers=headers)
 
 
 def _count_prediction(state: ServerState, prediction: list[int] | None, choices: list[Choice]) -> None:

@@ -21,8 +21,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.engine.engine import StepOutput
 from server.errors import APIError
-from server.routes.generation import Choice, collect, new_id, remember, session_of, stream_outputs, usage
-from server.routes.openai_api import chat_prompt, generation_requests, ready, truncate_prompt
+from server.routes.generation import (
+    Choice,
+    Constraint,
+    collect,
+    new_id,
+    remember,
+    session_of,
+    stream_outputs,
+    usage,
+)
+from server.routes.openai_api import (
+    chat_prompt,
+    generation_requests,
+    ready,
+    truncate_prompt,
+)
 from server.schemas_responses import ResponsesRequest
 from tokenizer.tools import ToolCallReader, read_tool_calls
 
@@ -48,8 +62,9 @@ def _function_call(item_id: str, call_id: str, name: str, arguments: str, status
 class _Response:
     """The response object of one request, filled in as the answer comes."""
 
-    def __init__(self, body: ResponsesRequest, model: str, prompt_tokens: int) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, prompt_tokens: int, constraint: Constraint | None) -> None:
         self.body = body
+        self.constraint = constraint  # a JSON schema's check of the finished answer goes in ``schema_check``
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.id = new_id("resp").replace("-", "_")
@@ -73,6 +88,7 @@ class _Response:
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "truncation": "disabled", "user": body.user, "metadata": body.metadata or {},
             "usage": None if choice is None else self.usage(choice),
+            **(self.constraint.report([choice]) if self.constraint is not None and choice is not None else {}),
         }
 
     def usage(self, choice: Choice) -> dict[str, Any]:
@@ -104,12 +120,13 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     ids = truncate_prompt(ids, chat)
     tenant = session_of(state, request, chat)
     session = state.sessions.context(tenant) if tenant is not None and state.sessions is not None else []
-    requests, _ = await generation_requests(state, loaded, chat, [ids], "input", None, None, session)
-    response = _Response(body, loaded.name, len(ids))
+    requests, _, constraint = await generation_requests(state, loaded, chat, [ids], "input", None, None, session)
+    response = _Response(body, loaded.name, len(ids), constraint)
+    headers = constraint.headers() if constraint is not None else {}
     if not body.stream:
         choice = (await collect(state, request, requests, PATH))[0]
         remember(state, tenant, [ids], [choice])
-        return JSONResponse(response.object(_status(choice), _output(choice, tools), choice))
+        return JSONResponse(response.object(_status(choice), _output(choice, tools), choice), headers=headers)
     choices, outputs = await stream_outputs(state, requests, PATH)
     events = _Events(response, tools)
 
@@ -124,7 +141,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
         except APIError as exc:  # after the stream started: an error event, as chat sends one
             yield _sse("error", {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param})
 
-    return StreamingResponse(stream(), media_type="text/event-stream")
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
 
 
 def _sse(kind: str, payload: dict[str, Any]) -> str:
