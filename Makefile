@@ -8,7 +8,7 @@ PORT   ?= 8000
 # The stamp is rebuilt when the dependency list changes; otherwise `make install` is a no-op.
 STAMP  := $(VENV)/.parrot-installed
 
-.PHONY: install serve test bench bench-drafter bench-grammar bench-peers bench-tokenizer replay-grammar replay-sessions survey-schemas clean
+.PHONY: install serve test bench bench-drafter bench-grammar bench-peers bench-tokenizer replay-grammar replay-sessions replay-tools survey-schemas clean
 
 install: $(STAMP)
 
@@ -50,6 +50,10 @@ replay-grammar: install
 
 replay-sessions: install
 	$(PY) -m loadtests.replay_sessions
+
+# Drafting inside tool-call arguments that copy a file, with a scripted model that makes the calls
+replay-tools: install
+	$(PY) -m loadtests.replay_tools
 
 # The 300 real-world JSON schemas of ../shared/data/schemas.jsonl through the API (README, "Structured output")
 survey-schemas: install

@@ -211,6 +211,41 @@ def test_arguments_copying_the_prompt_are_drafted_and_exact(http_server):
     assert spec["accepted_tokens"] > 20 and spec["forward_passes"] < on["usage"]["completion_tokens"] / 2
 
 
+def test_arguments_copying_a_file_are_drafted_from_its_json_escaped_view(compiler):
+    """A call whose arguments copy a file the user sent writes it JSON-escaped (newlines as
+    ``\\n``, quotes as ``\\"``), which the prompt's own tokens never match: the escaped view the
+    API adds to the draft context (``escaped_context``) does. A scripted model writes the call;
+    the output is the same either way, with far fewer passes with the view."""
+    from loadtests.scripted import ScriptedForward
+    from server.config import DraftingConfig
+    from server.engine.engine import Engine, GenerationRequest, SpeculationParams
+    from server.engine.sampling import SamplingParams
+    from server.routes.generation import escaped_context
+
+    tokenizer = compiler.tokenizer
+    code = ('def greet(name):\n    """Say hello."""\n    print("Hello, " + name + "!")\n\n\n'
+            'def shout(name):\n    print("HEY " + name.upper())\n')
+    message = f"Save this file as greet.py:\n\n{code}"
+    prompt = tokenizer.encode(message)
+    output = tokenizer.encode(call_text("write_file", json.dumps({"path": "greet.py", "content": code},
+                                                                  separators=(",", ":"))))
+    tool = {"name": "write_file", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string"}, "content": {"type": "string"}}, "required": ["path", "content"],
+        "additionalProperties": False}}
+    grammar = compiler.compile("lark", tool_grammar([tool], required=True, parallel=False))
+    results = {}
+    for view in (False, True):
+        forward = ScriptedForward(prompt + output, tokenizer.vocab_size, eos=min(tokenizer.eos_token_ids))
+        engine = Engine(forward, tokenizer, DraftingConfig(), [0.0] + [1.0 + 0.05 * (t - 1) for t in range(1, 18)])
+        context = escaped_context(tokenizer, [message]) if view else []
+        results[view] = engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=200), SpeculationParams(),
+                                                          context, compiler.new_state(grammar)))
+        assert results[view].token_ids == output
+    with_view, without = results[True].stats, results[False].stats
+    assert with_view.accepted_tokens > 2 * max(without.accepted_tokens, 10), (with_view, without)
+    assert with_view.forward_passes < without.forward_passes / 2, (with_view, without)
+
+
 BAD_TOOL_REQUESTS = [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),

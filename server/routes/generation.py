@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import json
 import logging
 import time
 import uuid
@@ -28,6 +29,7 @@ from server.schema_check import SchemaCheck
 from server.schemas import SpeculationOptions, _GenerationFields
 from server.sessions import tenant_of
 from server.state import ServerState
+from tokenizer import Tokenizer
 from tokenizer.grammar import Grammar, GrammarError
 
 log = logging.getLogger("parrot.http")
@@ -165,6 +167,15 @@ async def compile_constraint(state: ServerState, req: _GenerationFields) -> Cons
     if unenforced:
         log.warning("%s: schema served without enforcing: %s", param, "; ".join(unenforced))
     return Constraint(param, grammar, check, unenforced)
+
+
+def escaped_context(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """Draft context for JSON output: each text holding characters JSON escapes (newlines,
+    quotes, backslashes, tabs) as it reads inside a JSON string. A tool call whose arguments copy
+    a file the prompt holds writes it escaped (``\\n``, ``\\"``), so the prompt's own tokens
+    never match it; these do."""
+    return [tokenizer.encode(json.dumps(text, ensure_ascii=False)[1:-1]) for text in texts
+            if len(text) >= 32 and any(ch in text for ch in '\n"\\\t')]
 
 
 def grammar_state(state: ServerState, constraint: Constraint | None, spec: SpeculationParams) -> Grammar | None:

@@ -36,6 +36,7 @@ from server.routes.generation import (
     check_model,
     collect,
     compile_constraint,
+    escaped_context,
     grammar_state,
     new_id,
     remember,
@@ -386,6 +387,13 @@ def chat_prompt(loaded: LoadedModel, body: ChatCompletionRequest) -> tuple[list[
                        code="invalid_value") from None
 
 
+def prompt_texts(body: CompletionRequest | ChatCompletionRequest) -> list[str]:
+    """The texts a request sent: its messages' contents, or its string prompts."""
+    if isinstance(body, ChatCompletionRequest):
+        return [m.text() for m in body.messages]
+    return [p for p in body.prompts() if isinstance(p, str)]
+
+
 async def generation_requests(state: ServerState, loaded: LoadedModel, body: CompletionRequest | ChatCompletionRequest,
                               kept: list[list[int]], param: str, logprobs: int | None, prompt_logprobs: int | None,
                               session: list[list[int]]) -> tuple[list[GenerationRequest], list[int] | None, Constraint | None]:
@@ -400,6 +408,8 @@ async def generation_requests(state: ServerState, loaded: LoadedModel, body: Com
     constraint = await compile_constraint(state, body)
     # Choice j of each prompt draws its own random numbers (with a seed: keyed by the seed and j).
     context = ([prediction] if prediction else []) + session
+    if constraint is not None and (constraint.check is not None or constraint.param == "tools"):
+        context += escaped_context(loaded.tokenizer, prompt_texts(body))  # JSON strings copy the prompt escaped
     requests = [
         GenerationRequest(ids, dataclasses.replace(prompt_params, choice=j), spec, context,
                           grammar_state(state, constraint, spec))
