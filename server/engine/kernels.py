@@ -81,7 +81,7 @@ class Mat(ctypes.Structure):
 
 
 Mat._fields_ = [("kind", ctypes.c_int32), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("data", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("next", ctypes.POINTER(Mat))]
+                ("bias", ctypes.c_void_p), ("next", ctypes.POINTER(Mat)), ("packed", ctypes.c_void_p)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -115,7 +115,8 @@ def mats(parts: "Sequence[BlockWeight]", bias: torch.Tensor | None = None) -> li
     chain, offset = [], 0
     for part in parts:
         n, k = part.shape
-        chain.append(Mat(KIND[part.kind], n, k, _ptr(part.data), _ptr(None if bias is None else bias[offset : offset + n])))
+        chain.append(Mat(KIND[part.kind], n, k, _ptr(part.data), _ptr(None if bias is None else bias[offset : offset + n]),
+                         None, _ptr(part.packed)))
         offset += n
     for a, b in zip(chain, chain[1:]):
         a.next = ctypes.pointer(b)
@@ -136,6 +137,9 @@ class Kernels:
         lib.parrot_forward.argtypes = [ctypes.POINTER(ModelDesc), ctypes.c_int64, ctypes.POINTER(SeqDesc),
                                        ctypes.c_void_p, ctypes.c_void_p]
         lib.parrot_rows.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        lib.parrot_packed_bytes.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]
+        lib.parrot_packed_bytes.restype = ctypes.c_int64
+        lib.parrot_pack.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p]
         lib.parrot_isa.restype = ctypes.c_char_p
         lib.parrot_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         lib.parrot_read.restype = ctypes.c_float
@@ -151,6 +155,9 @@ class Kernels:
         in its own format); returns [M, N]. ``q8``: quantise x to 8 bits per 32 for the parts in
         integer formats (the faster path; see csrc/kernels.cpp)."""
         parts = [weight] if not isinstance(weight, Sequence) else list(weight)
+        if q8:
+            for part in parts:
+                self.pack(part)
         k = parts[0].shape[1]
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or any(p.shape[1] != k for p in parts):
             raise ValueError(f"x must be a float32 matrix with {k} columns, got {tuple(x.shape)} {x.dtype}")
@@ -160,6 +167,18 @@ class Kernels:
             chain = mats(parts, bias)
             self._lib.parrot_linear(ctypes.byref(chain[0]), x.data_ptr(), x.shape[0], y.data_ptr(), self.threads(), int(q8))
         return y
+
+    def pack(self, weight: "BlockWeight") -> None:
+        """Give ``weight`` its packed copy for the 8-bit path (8 weight rows interleaved; see
+        csrc/kernels.cpp), once; formats without one are left as they are."""
+        if weight.packed is not None:
+            return
+        n, k = weight.shape
+        size = self._lib.parrot_packed_bytes(KIND[weight.kind], n, k)
+        if size:
+            packed = torch.empty(size, dtype=torch.uint8)
+            self._lib.parrot_pack(ctypes.byref(mats([weight])[0]), packed.data_ptr())
+            weight.packed = packed
 
     def rows(self, weight: "BlockWeight", rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` (int64) of ``weight``, de-quantised: [len(rows), K] float32."""

@@ -127,6 +127,9 @@ class Linear:
     def mat(self) -> Any:
         """The head of this layer's chain of block matrices for the kernels (kept alive here)."""
         assert self.blocks is not None
+        if self.q8 and self.kernels is not None:
+            for part in self.blocks:
+                self.kernels.pack(part)
         self._mats = mats(self.blocks, self.bias)
         return self._mats[0]
 
@@ -279,6 +282,10 @@ class LlamaForward:
             self.native = self._describe(config)
             for linear in self._linears():
                 linear.modules = None
+                # Passes read the packed copies (8-bit path): the file's pages of those matrices can go.
+                for part in linear.blocks or []:
+                    if part.packed is not None:
+                        part.release_pages()
             if self.native.embed_blocks:  # the tied LM head's blocks serve the embedding too
                 self.embed = None
 

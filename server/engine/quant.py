@@ -18,9 +18,12 @@ of their additions (about 1e-6 relative), like any two BLAS libraries.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import warnings
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -56,6 +59,10 @@ class BlockWeight:
 
     kind: str
     data: torch.Tensor
+    # The 8-bit path's copy with 8 weight rows interleaved (Kernels.pack), where the format has one.
+    packed: torch.Tensor | None = None
+    # ``data`` is a view of a memory-mapped file (read_gguf_native), whose pages can be let go.
+    mapped: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -75,6 +82,19 @@ class BlockWeight:
             values = dequantize(self.data.numpy(), GGMLQuantizationType[self.kind.upper()])
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
 
+    def release_pages(self) -> None:
+        """Let the pages of a memory-mapped ``data`` go from this process's resident memory
+        (madvise MADV_DONTNEED): once the packed copy serves every pass, the file's pages would
+        only double the memory. They are read from the file again if ``data`` is touched (a
+        tied embedding's token rows). A no-op for data that is not mapped (it would be lost)."""
+        if not self.mapped or not hasattr(os, "sysconf"):
+            return
+        page = os.sysconf("SC_PAGE_SIZE")
+        start, end = self.data.data_ptr(), self.data.data_ptr() + self.data.numel()
+        first, last = -(-start // page) * page, end // page * page  # whole pages inside data only
+        if last > first:
+            _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4)  # MADV_DONTNEED
+
     def rows(self, index: torch.Tensor) -> "BlockWeight":
         return BlockWeight(self.kind, self.data[index].contiguous())
 
@@ -89,6 +109,13 @@ class BlockWeight:
             fields.append(m.half().contiguous().view(torch.uint8).view(n, blocks, 2))
         fields.append(qs.contiguous().view(torch.uint8).view(n, blocks, -1))
         return BlockWeight(kind, torch.cat(fields, dim=-1).reshape(n, -1).contiguous())
+
+
+@lru_cache(maxsize=1)
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def _from_gguf_tensor(tensor: Any) -> BlockWeight | None:
@@ -289,7 +316,7 @@ def read_gguf_native(gguf_path: str, config: Any) -> tuple[dict[str, BlockWeight
             raise ValueError(f"{tensor.name} is {tensor.type.name}, which the kernels do not run")
         with warnings.catch_warnings():  # a read-only memory map: the kernels only read it
             warnings.simplefilter("ignore", UserWarning)
-            weight = BlockWeight(kind, torch.from_numpy(tensor.data))
+            weight = BlockWeight(kind, torch.from_numpy(tensor.data), mapped=True)
         if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
             weight = weight.rows(_unpermute_rows(weight.shape[0], heads))

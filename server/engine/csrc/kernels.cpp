@@ -80,20 +80,15 @@ struct NoBytes {
   static constexpr bool INTEGER = false, SIGNED = false, MIN = false, SUPER = false;
   static constexpr int SHIFT = 0;  // OFFSET = 2^SHIFT, or none when 0
 };
-// `qscales` sets d (lanes 0..3: d_0, 4..7: d_1, as a unit's sums come out of bytes::dot) and m.
 template <int Shift, bool Min, bool Signed = false>
 struct Bytes {
   static constexpr bool INTEGER = true, SIGNED = Signed, MIN = Min, SUPER = false;
   static constexpr int SHIFT = Shift;
 };
-// The 32-weight formats: float16 d at the start of the block, then m where there is one.
+// The 32-weight formats: float16 d at the start of the block, then m where there is one (their
+// 8-bit path runs on a packed copy, which takes d and m from there: `pack` below).
 template <int Shift, bool Min, bool Signed = false>
-struct HalfScales : Bytes<Shift, Min, Signed> {
-  static void qscales(const uint8_t* blk, int64_t, bytes::G& d, bytes::G& m) {
-    d = bytes::ghalf(blk);
-    if constexpr (Min) m = bytes::ghalf(blk + 2);
-  }
-};
+struct HalfScales : Bytes<Shift, Min, Signed> {};
 // The K-quant formats take x in super-blocks of 256 (one multiplier each, as llama.cpp's Q8_K),
 // so that a super-block's products are summed in integers, each unit's scaled by its integer
 // scale, and converted to float once: `super` reads a super-block's multipliers.
@@ -121,6 +116,7 @@ struct BF16W : Layout<64, 1>, NoBytes {
 };
 // Q4_0 (18 bytes): d, 16 bytes of nibbles; weight = d * (q - 8).
 struct Q4_0W : Layout<18, 1>, HalfScales<3, false> {
+  static constexpr int BITS = 4;
   static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk)); }
   static bytes::B bytes(const uint8_t* blk, int64_t) { return bytes::nibbles(blk + 2); }
   static F part(const uint8_t* blk, int64_t, int s, const Scales& c) {
@@ -129,6 +125,7 @@ struct Q4_0W : Layout<18, 1>, HalfScales<3, false> {
 };
 // Q4_1 (20 bytes): d, m, 16 bytes of nibbles; weight = d * q + m.
 struct Q4_1W : Layout<20, 1>, HalfScales<0, true> {
+  static constexpr int BITS = 4;
   static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk), half(blk + 2)); }
   static bytes::B bytes(const uint8_t* blk, int64_t) { return bytes::nibbles(blk + 4); }
   static F part(const uint8_t* blk, int64_t, int s, const Scales& c) {
@@ -137,6 +134,7 @@ struct Q4_1W : Layout<20, 1>, HalfScales<0, true> {
 };
 // Q5_0 (22 bytes): d, 32-bit mask of 5th bits, nibbles; weight = d * (q - 16).
 struct Q5_0W : Layout<22, 1>, HalfScales<4, false> {
+  static constexpr int BITS = 5;
   static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk)); }
   static bytes::B bytes(const uint8_t* blk, int64_t) { return bytes::bor(bytes::nibbles(blk + 6), bytes::bits16(mask32(blk + 2))); }
   static F part(const uint8_t* blk, int64_t, int s, const Scales& c) {
@@ -145,6 +143,7 @@ struct Q5_0W : Layout<22, 1>, HalfScales<4, false> {
 };
 // Q5_1 (24 bytes): d, m, 5th bits, nibbles; weight = d * q + m.
 struct Q5_1W : Layout<24, 1>, HalfScales<0, true> {
+  static constexpr int BITS = 5;
   static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk), half(blk + 2)); }
   static bytes::B bytes(const uint8_t* blk, int64_t) { return bytes::bor(bytes::nibbles(blk + 8), bytes::bits16(mask32(blk + 4))); }
   static F part(const uint8_t* blk, int64_t, int s, const Scales& c) {
@@ -153,6 +152,7 @@ struct Q5_1W : Layout<24, 1>, HalfScales<0, true> {
 };
 // Q8_0 (34 bytes): d, 32 signed bytes; weight = d * q.
 struct Q8_0W : Layout<34, 1>, HalfScales<0, false, true> {
+  static constexpr int BITS = 8;
   static Scales scales(const uint8_t* blk, int64_t) { return plain(half(blk)); }
   static bytes::B bytes(const uint8_t* blk, int64_t) { return bytes::load(blk + 2); }
   static F part(const uint8_t* blk, int64_t, int s, const Scales& c) { return mul(set1(c.d0), to_float(load_i8(blk + 2 + s * L))); }
@@ -345,109 +345,154 @@ Tiles linear_rows(const W& w, const float* x, int64_t M, int64_t K, float* y, in
 // tile, so this path is batch-invariant as the float one is; it rounds x to 8 bits first (as
 // llama.cpp does for these formats), which the float path does not.
 
-// Rows of x quantised per unit, laid out for the kernels, which take units two at a time (a
-// pair's sums share one vector: bytes::pair): per row, `pairs` pairs (an odd last unit is
-// paired with a unit of zeros), each with q (64 bytes), d = the two multipliers as the pair's
-// sums are laid out (a, a, b, b, a, a, b, b), s = (s_a, s_b, 0, ..): each unit's multiplier
-// times the sum of its q, and sums: the sums in fours of both units, paired the same way.
-struct XQ {
-  int64_t pairs;
+// ---------------------------------------------------------------------------------------------
+// Packed weights for the 8-bit path: the 32-weight formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with
+// 8 weight rows interleaved, so that one vector of byte products covers 8 weight rows at once.
+//
+// Why: in the file's layout a unit's 32 products for one weight row end in one vector whose lanes
+// must be summed, converted and scaled per row (~5 instructions per 32 multiply-adds); an 8-token
+// verify pass or a prompt chunk was bound by that bookkeeping, not by the multiplications. Here
+// the lanes are the 8 weight rows: step t (t = 0..7) of a unit is one vector holding weights
+// 4t..4t+3 of each of the 8 rows, multiplied by x's bytes 4t..4t+3 broadcast; the 8 steps' 16-bit
+// sums add up (4-bit values: at most 8 x 2 x 15 x 127, no overflow) and widen once, and one
+// conversion and one multiply-add scale the unit for all 8 rows. Each weight row still gets
+// exactly its own unit sums in unit order: a row's result does not depend on the rows of x
+// computed with it (batch invariance) or on which group or thread computed it.
+//
+// A group (8 weight rows; the last one padded with zero rows) holds its units one after the
+// other, each PACKED bytes, the same size as the file's 8 blocks:
+//   d: 8 float16 (row r at 2r) | m: 8 float16 (formats with a min) | h: 32 bytes of 5th bits
+//   (5-bit formats; bit t of byte 4r + j: the 5th bit of value 4t + j of row r) | q: 4-bit
+//   formats 128 bytes (byte 32p + 4r + j: value 4p + j of row r in the low nibble, 4(p + 4) + j
+//   in the high one), Q8_0 256 bytes (byte 32t + 4r + j: value 4t + j of row r).
+template <class W>
+struct Pack {
+  static constexpr int64_t M_AT = 16, H_AT = W::MIN ? 32 : 16, Q_AT = H_AT + (W::BITS == 5 ? 32 : 0);
+  static constexpr int64_t BYTES = Q_AT + (W::BITS == 8 ? 256 : 128);
+};
+
+template <class W>
+void pack(const W& w, int64_t N, uint8_t* out) {
+  using P = Pack<W>;
+  const int64_t units = w.K / 32, groups = (N + 7) / 8;
+  std::memset(out, 0, groups * units * P::BYTES);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t b = 0; b < units; ++b) {
+      uint8_t* o = out + (g * units + b) * P::BYTES;
+      for (int64_t r = 0; r < 8 && g * 8 + r < N; ++r) {
+        const uint8_t* blk = w.block(g * 8 + r, b);
+        uint8_t values[32];
+        bytes::bstore(values, W::bytes(blk, b));
+        std::memcpy(o + 2 * r, blk, 2);
+        if constexpr (W::MIN) std::memcpy(o + P::M_AT + 2 * r, blk + 2, 2);
+        for (int k = 0; k < 32; ++k) {
+          const int t = k / 4, j = k % 4;
+          if constexpr (W::BITS == 8) {
+            o[P::Q_AT + 32 * t + 4 * r + j] = values[k];
+          } else {
+            o[P::Q_AT + 32 * (t % 4) + 4 * r + j] |= (uint8_t)((values[k] & 15) << (t < 4 ? 0 : 4));
+            if constexpr (W::BITS == 5) o[P::H_AT + 4 * r + j] |= (uint8_t)(((values[k] >> 4) & 1) << t);
+          }
+        }
+      }
+    }
+}
+
+// Rows of x quantised per unit of 32 for the packed kernels: q [M, K], and per row and unit its
+// multiplier d, s = d times the sum of its q (the min term), and the sum of its q (the offset term).
+struct XU {
+  int64_t K, units;
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> sums;
-  XQ(const float* x, int64_t M, int64_t K)
-      : pairs((K / 32 + 1) / 2), q(M * pairs * 64), d(M * pairs * 8), s(M * pairs * 8), sums(M * pairs * 8) {
-    const int64_t units = K / 32;
-    for (int64_t i = 0; i < M; ++i) {
-      for (int64_t p = 0; p < pairs; ++p) {
-        const int64_t at = i * pairs + p;
-        float dd[2] = {0.0f, 0.0f};
-        alignas(32) int32_t lanes[2][8] = {};
-        for (int h = 0; h < 2 && 2 * p + h < units; ++h) {
-          dd[h] = bytes::quantize(x + i * K + (2 * p + h) * 32, &q[at * 64 + h * 32], lanes[h]);
-          int32_t total = 0;
-          for (int k = 0; k < 8; ++k) total += lanes[h][k];
-          s[at * 8 + h] = dd[h] * (float)total;
-        }
-        bytes::pair_sums(lanes[0], lanes[1], &sums[at * 8]);
-        const float layout[8] = {dd[0], dd[0], dd[1], dd[1], dd[0], dd[0], dd[1], dd[1]};
-        std::memcpy(&d[at * 8], layout, sizeof layout);
-      }
+  std::vector<int32_t> sum;
+  XU(const float* x, int64_t M, int64_t K_) : K(K_), units(K_ / 32), q(M * K_), d(M * units), s(M * units), sum(M * units) {
+    for (int64_t at = 0; at < M * units; ++at) {
+      int32_t fours[8];
+      d[at] = bytes::quantize(x + at * 32, &q[at * 32], fours);
+      int32_t total = 0;
+      for (int k = 0; k < 8; ++k) total += fours[k];
+      sum[at] = total;
+      s[at] = d[at] * (float)total;
     }
   }
 };
 
-// MT rows of x against NT weight rows, a pair of units (a, b) at a time: the two units' sums
-// of byte products go into one vector (bytes::pair) that is converted, scaled and accumulated
-// once. Every step of a row's sums is fixed by the row and the pair, whatever the tile.
-template <int MT, int NT, class W>
-inline void qtile(const W& w, const XQ& x, int64_t row, int64_t n, float* y, int64_t ldy) {
+// MT rows of x (from `row`) against one group of 8 weight rows (outputs n .. n + valid - 1).
+template <int MT, class W>
+inline void ptile(const uint8_t* group, const XU& x, int64_t row, int64_t n, int64_t valid, float* y, int64_t ldy) {
   using namespace bytes;
-  const int64_t units = x.pairs * 2 - (w.K / 32) % 2;  // the weight's units
-  G acc[MT][NT];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) acc[i][j] = gzero();
-  for (int64_t p = 0; p < x.pairs; ++p) {
-    const int64_t b = 2 * p;
-    const bool second = b + 1 < units;
-    B u[NT][2], sg[NT][2];
-    G dw[NT], mw[NT];
-    for (int j = 0; j < NT; ++j) {
-      G d[2], m[2];
-      for (int h = 0; h < 2; ++h) {
-        if (h == 1 && !second) { u[j][1] = sg[j][1] = bzero(); d[1] = m[1] = gzero(); break; }
-        const uint8_t* blk = w.block(n + j, b + h);
-        if (h == 0) __builtin_prefetch(blk + AHEAD);
-        W::qscales(blk, b + h, d[h], m[h]);
-        u[j][h] = W::bytes(blk, b + h);
-        if constexpr (W::SIGNED) { sg[j][h] = u[j][h]; u[j][h] = babs(u[j][h]); }
+  using P = Pack<W>;
+  const int64_t units = x.units;
+  const int8_t* xq[MT];
+  const float *xd[MT], *xs[MT];
+  const int32_t* xsum[MT];
+  G acc[MT];
+  for (int i = 0; i < MT; ++i) {
+    acc[i] = gzero();
+    xq[i] = &x.q[(row + i) * x.K];
+    xd[i] = &x.d[(row + i) * units];
+    xs[i] = &x.s[(row + i) * units];
+    xsum[i] = &x.sum[(row + i) * units];
+  }
+  for (int64_t b = 0; b < units; ++b) {
+    const uint8_t* blk = group + b * P::BYTES;
+    for (int64_t o = 0; o < P::BYTES; o += 64) __builtin_prefetch(blk + AHEAD + o);
+    S sum[MT];
+    if constexpr (W::BITS == 8) {
+      for (int i = 0; i < MT; ++i) sum[i] = szero();
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const B wt = load(blk + P::Q_AT + 32 * t), wa = babs(wt);
+        for (int i = 0; i < MT; ++i) sum[i] = sadd(sum[i], dot(wa, sign_of(bcast4(xq[i] + 32 * b + 4 * t), wt)));
       }
-      dw[j] = gpair(d[0], d[1]);
-      if constexpr (W::MIN) mw[j] = gpair_first(m[0], m[1]);
+    } else {
+      H part[MT];
+      for (int i = 0; i < MT; ++i) part[i] = hzero();
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        B wt = bits(load(blk + P::Q_AT + 32 * (t % 4)), t < 4 ? 0 : 4, 15);
+        if constexpr (W::BITS == 5) wt = bor(wt, fifth(load(blk + P::H_AT), t));
+        for (int i = 0; i < MT; ++i) {
+          part[i] = hplus(part[i], pdot16(wt, bcast4(xq[i] + 32 * b + 4 * t)));
+          hpin(part[i]);  // summed in step order, not as a tree of all 8 steps' products (which spills)
+        }
+        if (W::BITS == 5 && t == 3)  // 5-bit values: widen every 4 steps (8 would overflow 16 bits)
+          for (int i = 0; i < MT; ++i) { sum[i] = widen(part[i]); part[i] = hzero(); }
+      }
+      for (int i = 0; i < MT; ++i) sum[i] = W::BITS == 5 ? sadd(sum[i], widen(part[i])) : widen(part[i]);
     }
+    const G dw = ghalf8(blk);
     for (int i = 0; i < MT; ++i) {
-      const int64_t at = (row + i) * x.pairs + p;
-      const B xa = load((const uint8_t*)&x.q[at * 64]), xb = load((const uint8_t*)&x.q[at * 64 + 32]);
-      const G dx = gload(&x.d[at * 8]);
-      for (int j = 0; j < NT; ++j) {
-        S sum = W::SIGNED ? pair(dot(u[j][0], sign_of(xa, sg[j][0])), dot(u[j][1], sign_of(xb, sg[j][1])))
-                          : pair_dots(u[j][0], xa, u[j][1], xb);
-        if constexpr (W::SHIFT > 0) sum = ssub(sum, sshl(sload(&x.sums[at * 8]), W::SHIFT));
-        acc[i][j] = gfmadd(gfloat(sum), gmul(dw[j], dx), acc[i][j]);
-        if constexpr (W::MIN) acc[i][j] = gfmadd(mw[j], gload(&x.s[at * 8]), acc[i][j]);
-      }
+      if constexpr (W::SHIFT > 0) sum[i] = ssub(sum[i], sset1(xsum[i][b] << W::SHIFT));
+      acc[i] = gfmadd(gfloat(sum[i]), gmul(dw, gset1(xd[i][b])), acc[i]);
+      if constexpr (W::MIN) acc[i] = gfmadd(ghalf8(blk + P::M_AT), gset1(xs[i][b]), acc[i]);
     }
   }
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) y[i * ldy + n + j] = ghsum(acc[i][j]);
-}
-
-template <int R, int MT, int NT, class W>
-inline void qrest(const W& w, const XQ& x, int64_t row, int64_t left, int64_t n, float* y, int64_t ldy) {
-  if constexpr (R > 0 && R < MT) {
-    if (left == R) qtile<R, NT>(w, x, row, n, y, ldy);
-    else qrest<R - 1, MT, NT>(w, x, row, left, n, y, ldy);
+  for (int i = 0; i < MT; ++i) {
+    float lanes[8];
+    gstore(lanes, acc[i]);
+    std::memcpy(y + (row + i) * ldy + n, lanes, valid * sizeof(float));
   }
 }
 
-template <int MT, int NT, class W>
-inline void qcolumns(const W& w, const XQ& x, int64_t M, int64_t n, float* y, int64_t ldy) {
-  int64_t i = 0;
-  for (; i + MT <= M; i += MT) qtile<MT, NT>(w, x, i, n, y + i * ldy, ldy);
-  qrest<MT - 1, MT, NT>(w, x, i, M - i, n, y + i * ldy, ldy);
-}
-
-template <int MT, int NT, class W>
-Tiles qtiles(const W& w, const XQ& x, int64_t M, float* y, int64_t N, int64_t ldy) {
-  return row_tiles<NT>(N, [=, &x](int64_t n, auto width) { qcolumns<MT, decltype(width)::value>(w, x, M, n, y, ldy); });
-}
-
+// One tile per group of 8 weight rows, all M rows of x through it 4 at a time (16 registers:
+// 4 accumulators, 4 sums, the weights and x's bytes).
 template <class W>
-Tiles linear_bytes(const W& w, const XQ& x, int64_t M, float* y, int64_t N, int64_t ldy) {
-  if (M == 1) return qtiles<1, 2>(w, x, M, y, N, ldy);
-  if (M == 2) return qtiles<2, 1>(w, x, M, y, N, ldy);
-  if (M <= 4) return qtiles<4, 1>(w, x, M, y, N, ldy);
-  return qtiles<8, 1>(w, x, M, y, N, ldy);
+Tiles linear_packed(const W& w, const uint8_t* packed, const XU& x, int64_t M, float* y, int64_t N, int64_t ldy) {
+  const int64_t stride = (w.K / 32) * Pack<W>::BYTES;
+  return {[=, &x](int64_t g) {
+            const uint8_t* group = packed + g * stride;
+            const int64_t n = g * 8, valid = std::min<int64_t>(8, N - n);
+            int64_t i = 0;
+            for (; i + 4 <= M; i += 4) ptile<4, W>(group, x, i, n, valid, y, ldy);
+            switch (M - i) {
+              case 3: ptile<3, W>(group, x, i, n, valid, y, ldy); break;
+              case 2: ptile<2, W>(group, x, i, n, valid, y, ldy); break;
+              case 1: ptile<1, W>(group, x, i, n, valid, y, ldy); break;
+              default: break;
+            }
+          },
+          (N + 7) / 8};
 }
 
 // Rows of x quantised per super-block of 256 for the K-quant formats: per row and super-block,
@@ -561,14 +606,15 @@ inline int64_t row_bytes(int32_t kind, int64_t K) {
   }
 }
 
-// One part of a layer: the 8-bit path when asked for and the format has one (xq is then the
-// quantised x), the float path otherwise.
+// One part of a layer: the 8-bit path when asked for and the part has it (a packed copy of a
+// 32-weight format, or a K-quant format; xu / xk are then the quantised x), the float path otherwise.
 template <class W>
-Tiles linear_part(const W& w, const float* x, const XQ* xq, const XK* xk, int64_t M, float* y, int64_t N, int64_t ldy) {
+Tiles linear_part(const W& w, const uint8_t* packed, const float* x, const XU* xu, const XK* xk, int64_t M,
+                  float* y, int64_t N, int64_t ldy) {
   if constexpr (W::SUPER) {
     if (xk != nullptr && xk->supers == w.K / 256) return linear_super(w, *xk, M, y, N, ldy);
   } else if constexpr (W::INTEGER) {
-    if (xq != nullptr && xq->pairs == (w.K / 32 + 1) / 2) return linear_bytes(w, *xq, M, y, N, ldy);
+    if (packed != nullptr && xu != nullptr && xu->K == w.K) return linear_packed(w, packed, *xu, M, y, N, ldy);
   }
   return linear_rows(w, x, M, w.K, y, N, ldy);
 }
@@ -586,6 +632,7 @@ struct Mat {
   const uint8_t* data;  // [N, K / weights per block blocks]
   const float* bias;    // [N] or null
   const Mat* next;      // the next part along N, or null
+  const uint8_t* packed;  // the 8-bit path's packed copy (parrot_pack) of a 32-weight format, or null
 };
 
 // Rows `rows` of W (one part), de-quantised as the kernels expand them (the gguf reference's
@@ -608,17 +655,44 @@ void parrot_rows(const Mat* w, const int64_t* rows, int64_t count, float* out) {
   }
 }
 
+// Bytes of W's packed copy for the 8-bit path (0: its format has none).
+int64_t parrot_packed_bytes(int32_t kind, int64_t N, int64_t K) {
+  const int64_t groups = (N + 7) / 8, units = K / 32;
+  switch (kind) {
+    case Q4_0: return groups * units * Pack<Q4_0W>::BYTES;
+    case Q4_1: return groups * units * Pack<Q4_1W>::BYTES;
+    case Q5_0: return groups * units * Pack<Q5_0W>::BYTES;
+    case Q5_1: return groups * units * Pack<Q5_1W>::BYTES;
+    case Q8_0: return groups * units * Pack<Q8_0W>::BYTES;
+    default: return 0;
+  }
+}
+
+// W (one part) packed into out (parrot_packed_bytes of it).
+void parrot_pack(const Mat* w, uint8_t* out) {
+  const int64_t K = w->K;
+  switch (w->kind) {
+    case Q4_0: pack(Q4_0W{{w->data, K}}, w->N, out); break;
+    case Q4_1: pack(Q4_1W{{w->data, K}}, w->N, out); break;
+    case Q5_0: pack(Q5_0W{{w->data, K}}, w->N, out); break;
+    case Q5_1: pack(Q5_1W{{w->data, K}}, w->N, out); break;
+    case Q8_0: pack(Q8_0W{{w->data, K}}, w->N, out); break;
+    default: break;
+  }
+}
+
 // y = x @ W^T (+ bias) for x [M, K]; y [M, total N of the parts]. `q8`: quantise x to 8 bits
-// for the parts in integer formats (the 8-bit path above); 0: float32 throughout.
+// for the parts that have the 8-bit path (the K-quant formats, and the 32-weight formats given
+// their packed copy); 0: float32 throughout.
 void parrot_linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int q8) {
   int64_t ldy = 0;
-  bool any_bytes = false, any_super = false;
+  bool any_packed = false, any_super = false;
   for (const Mat* p = w; p != nullptr; p = p->next) {
     ldy += p->N;
-    any_bytes |= p->kind >= Q4_0 && p->kind <= Q8_0;
+    any_packed |= p->packed != nullptr;
     any_super |= p->kind >= Q4_K && p->kind <= Q6_K;
   }
-  const std::unique_ptr<XQ> xq(q8 && any_bytes ? new XQ(x, M, w->K) : nullptr);
+  const std::unique_ptr<XU> xu(q8 && any_packed ? new XU(x, M, w->K) : nullptr);
   const std::unique_ptr<XK> xk(q8 && any_super && w->K % 256 == 0 ? new XK(x, M, w->K) : nullptr);
   std::vector<Tiles> parts;
   std::vector<int64_t> first, bytes;  // each part's first cost unit in the job and bytes per tile
@@ -627,17 +701,17 @@ void parrot_linear(const Mat* w, const float* x, int64_t M, float* y, int thread
     const int64_t K = p->K, N = p->N;
     float* out = y + offset;
     switch (p->kind) {
-      case F32: parts.push_back(linear_part(F32W{{p->data, K}}, x, xq.get(), xk.get(), M, out, N, ldy)); break;
-      case F16: parts.push_back(linear_part(F16W{{p->data, K}}, x, xq.get(), xk.get(), M, out, N, ldy)); break;
-      case BF16: parts.push_back(linear_part(BF16W{{p->data, K}}, x, xq.get(), xk.get(), M, out, N, ldy)); break;
-      case Q4_0: parts.push_back(linear_part(Q4_0W{{p->data, K}}, x, xq.get(), xk.get(), M, out, N, ldy)); break;
-      case Q4_1: parts.push_back(linear_part(Q4_1W{{p->data, K}}, x, xq.get(), xk.get(), M, out, N, ldy)); break;
-      case Q5_0: parts.push_back(linear_part(Q5_0W{{p->data, K}}, x, xq.get(), xk.get(), M, out, N, ldy)); break;
-      case Q5_1: parts.push_back(linear_part(Q5_1W{{p->data, K}}, x, xq.get(), xk.get(), M, out, N, ldy)); break;
-      case Q8_0: parts.push_back(linear_part(Q8_0W{{p->data, K}}, x, xq.get(), xk.get(), M, out, N, ldy)); break;
-      case Q4_K: parts.push_back(linear_part(Q4_KW{{p->data, K}}, x, xq.get(), xk.get(), M, out, N, ldy)); break;
-      case Q5_K: parts.push_back(linear_part(Q5_KW{{p->data, K}}, x, xq.get(), xk.get(), M, out, N, ldy)); break;
-      case Q6_K: parts.push_back(linear_part(Q6_KW{{p->data, K}}, x, xq.get(), xk.get(), M, out, N, ldy)); break;
+      case F32: parts.push_back(linear_part(F32W{{p->data, K}}, p->packed, x, xu.get(), xk.get(), M, out, N, ldy)); break;
+      case F16: parts.push_back(linear_part(F16W{{p->data, K}}, p->packed, x, xu.get(), xk.get(), M, out, N, ldy)); break;
+      case BF16: parts.push_back(linear_part(BF16W{{p->data, K}}, p->packed, x, xu.get(), xk.get(), M, out, N, ldy)); break;
+      case Q4_0: parts.push_back(linear_part(Q4_0W{{p->data, K}}, p->packed, x, xu.get(), xk.get(), M, out, N, ldy)); break;
+      case Q4_1: parts.push_back(linear_part(Q4_1W{{p->data, K}}, p->packed, x, xu.get(), xk.get(), M, out, N, ldy)); break;
+      case Q5_0: parts.push_back(linear_part(Q5_0W{{p->data, K}}, p->packed, x, xu.get(), xk.get(), M, out, N, ldy)); break;
+      case Q5_1: parts.push_back(linear_part(Q5_1W{{p->data, K}}, p->packed, x, xu.get(), xk.get(), M, out, N, ldy)); break;
+      case Q8_0: parts.push_back(linear_part(Q8_0W{{p->data, K}}, p->packed, x, xu.get(), xk.get(), M, out, N, ldy)); break;
+      case Q4_K: parts.push_back(linear_part(Q4_KW{{p->data, K}}, p->packed, x, xu.get(), xk.get(), M, out, N, ldy)); break;
+      case Q5_K: parts.push_back(linear_part(Q5_KW{{p->data, K}}, p->packed, x, xu.get(), xk.get(), M, out, N, ldy)); break;
+      case Q6_K: parts.push_back(linear_part(Q6_KW{{p->data, K}}, p->packed, x, xu.get(), xk.get(), M, out, N, ldy)); break;
       default: parts.push_back({[](int64_t) {}, 0}); break;
     }
     const Tiles& added = parts.back();

@@ -345,31 +345,20 @@ inline B bits16(uint32_t mask) {
 inline B babs(B a) { return {_mm256_sign_epi8(a.v, a.v)}; }
 inline B sign_of(B x, B w) { return {_mm256_sign_epi8(x.v, w.v)}; }  // x where w > 0, -x where w < 0, 0 where w = 0
 inline S dot(B u, B x) { return {_mm256_madd_epi16(_mm256_maddubs_epi16(u.v, x.v), _mm256_set1_epi16(1))}; }
-// The sums of two units in one vector: (a0 + a1, a2 + a3, b0 + b1, b2 + b3, a4 + a5, a6 + a7,
-// b4 + b5, b6 + b7); lanes 0, 1, 4, 5 from unit a (its halves in 0, 1 and 4, 5), the rest from b.
-inline S pair(S a, S b) { return {_mm256_hadd_epi32(a.v, b.v)}; }
-// pair(dot(u, a), dot(v, b)) for u, v below 32: the two units' 16-bit pair sums are added in 16
-// bits (at most 4 x 31 x 127, no overflow) before one widening, an instruction fewer.
-inline S pair_dots(B u, B a, B v, B b) {
-  const __m256i pa = _mm256_maddubs_epi16(u.v, a.v), pb = _mm256_maddubs_epi16(v.v, b.v);
-  return {_mm256_madd_epi16(_mm256_hadd_epi16(pa, pb), _mm256_set1_epi16(1))};
-}
-inline void pair_sums(const int32_t* a, const int32_t* b, int32_t* out) {
-  _mm256_storeu_si256((__m256i*)out, pair({_mm256_loadu_si256((const __m256i*)a)}, {_mm256_loadu_si256((const __m256i*)b)}).v);
-}
 inline B bzero() { return {_mm256_setzero_si256()}; }
+inline void bstore(uint8_t* p, B a) { _mm256_storeu_si256((__m256i*)p, a.v); }
+inline B bcast4(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return {_mm256_set1_epi32(v)}; }  // 4 bytes, 8 times
+// Bit t of each byte of h, moved to bit 4 (the 5th bit of a 5-bit value).
+inline B fifth(B h, int t) {
+  const __m256i moved = t <= 4 ? _mm256_slli_epi16(h.v, 4 - t) : _mm256_srli_epi16(h.v, t - 4);
+  return {_mm256_and_si256(moved, _mm256_set1_epi8(16))};
+}
 inline S ssub(S a, S b) { return {_mm256_sub_epi32(a.v, b.v)}; }
 inline S sshl(S a, int n) { return {_mm256_sll_epi32(a.v, _mm_cvtsi32_si128(n))}; }
 inline S sload(const int32_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
 inline G gfloat(S a) { return {_mm256_cvtepi32_ps(a.v)}; }
 inline G gset1(float a) { return {_mm256_set1_ps(a)}; }
-inline G ghalf(const uint8_t* p) { int16_t h; std::memcpy(&h, p, 2); return {_mm256_cvtph_ps(_mm_set1_epi16(h))}; }  // float16 at p, in every lane
-inline G gset2(float lo, float hi) { return {_mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo))}; }  // lanes 0..3, 4..7
 inline G gload(const float* p) { return {_mm256_loadu_ps(p)}; }
-// Multipliers of units a and b (each [lanes 0..3: first half, 4..7: second half]) laid out as
-// pair() lays out their sums; and (a[0], b[0], ...) for a product with (s_a, s_b, 0, ..).
-inline G gpair(G a, G b) { return {_mm256_blend_ps(a.v, b.v, 0xcc)}; }
-inline G gpair_first(G a, G b) { return {_mm256_blend_ps(a.v, b.v, 0x02)}; }
 inline G gzero() { return {_mm256_setzero_ps()}; }
 inline G gmul(G a, G b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline G gfmadd(G a, G b, G c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
@@ -408,6 +397,16 @@ inline S scaled(B u, B x, H s) { return {_mm256_madd_epi16(_mm256_maddubs_epi16(
 inline S hdot(H a, H b) { return {_mm256_madd_epi16(a.v, b.v)}; }  // lane k: a[2k] b[2k] + a[2k+1] b[2k+1]
 inline S sadd(S a, S b) { return {_mm256_add_epi32(a.v, b.v)}; }
 inline S szero() { return {_mm256_setzero_si256()}; }
+// Row-interleaved weights (kernels.cpp, packed layout): 16-bit lanes of byte-pair products, their
+// sums, and the widening to int32 (lane k: lanes 2k + 2k + 1).
+inline H pdot16(B u, B x) { return {_mm256_maddubs_epi16(u.v, x.v)}; }
+inline H hplus(H a, H b) { return {_mm256_add_epi16(a.v, b.v)}; }
+inline H hzero() { return {_mm256_setzero_si256()}; }
+inline S widen(H a) { return {_mm256_madd_epi16(a.v, _mm256_set1_epi16(1))}; }
+inline void hpin(H& a) { asm("" : "+x"(a.v)); }
+inline S sset1(int32_t a) { return {_mm256_set1_epi32(a)}; }
+inline G ghalf8(const uint8_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }  // 8 float16
+inline void gstore(float* p, G a) { _mm256_storeu_ps(p, a.v); }
 
 // 32 floats -> 32 bytes q = round(x scale) (to nearest, ties to even: MXCSR's default) and their
 // sums in fours (lane k: q[4k] + .. + q[4k+3]).
@@ -466,27 +465,15 @@ inline S dot(B u, B x) {
   }
   return r;
 }
-inline S pair(S a, S b) { return {vw{a.v[0] + a.v[1], a.v[2] + a.v[3], b.v[0] + b.v[1], b.v[2] + b.v[3],
-                                     a.v[4] + a.v[5], a.v[6] + a.v[7], b.v[4] + b.v[5], b.v[6] + b.v[7]}}; }
-inline S pair_dots(B u, B a, B v, B b) { return pair(dot(u, a), dot(v, b)); }
-inline void pair_sums(const int32_t* a, const int32_t* b, int32_t* out) {
-  S x, y;
-  std::memcpy(&x.v, a, 32);
-  std::memcpy(&y.v, b, 32);
-  const S r = pair(x, y);
-  std::memcpy(out, &r.v, 32);
-}
 inline B bzero() { return {vb{}}; }
+inline void bstore(uint8_t* p, B a) { std::memcpy(p, &a.v, 32); }
+inline B bcast4(const int8_t* p) { B a; for (int j = 0; j < 32; ++j) a.v[j] = (uint8_t)p[j % 4]; return a; }
 inline S ssub(S a, S b) { return {a.v - b.v}; }
 inline S sshl(S a, int n) { return {a.v << n}; }
 inline S sload(const int32_t* p) { S a; std::memcpy(&a.v, p, 32); return a; }
 inline G gfloat(S a) { return {__builtin_convertvector(a.v, vg)}; }
 inline G gset1(float a) { return {vg{} + a}; }
-inline G ghalf(const uint8_t* p) { return gset1(half(p)); }
-inline G gset2(float lo, float hi) { return {vg{lo, lo, lo, lo, hi, hi, hi, hi}}; }
 inline G gload(const float* p) { G a; std::memcpy(&a.v, p, 32); return a; }
-inline G gpair(G a, G b) { return {vg{a.v[0], a.v[1], b.v[2], b.v[3], a.v[4], a.v[5], b.v[6], b.v[7]}}; }
-inline G gpair_first(G a, G b) { return {vg{a.v[0], b.v[1], a.v[2], a.v[3], a.v[4], a.v[5], a.v[6], a.v[7]}}; }
 inline G gzero() { return {vg{}}; }
 inline G gmul(G a, G b) { return {a.v * b.v}; }
 inline G gfmadd(G a, G b, G c) { return {a.v * b.v + c.v}; }
@@ -527,6 +514,19 @@ inline S hdot(H a, H b) {
 }
 inline S sadd(S a, S b) { return {a.v + b.v}; }
 inline S szero() { return {vw{}}; }
+inline H pdot16(B u, B x) {
+  H r;
+  for (int k = 0; k < 16; ++k) r.v[k] = (int16_t)((int32_t)u.v[2 * k] * (int8_t)x.v[2 * k] + (int32_t)u.v[2 * k + 1] * (int8_t)x.v[2 * k + 1]);
+  return r;
+}
+inline H hplus(H a, H b) { return {(vh)(a.v + b.v)}; }
+inline H hzero() { return {vh{}}; }
+inline S widen(H a) { S r; for (int k = 0; k < 8; ++k) r.v[k] = (int32_t)a.v[2 * k] + a.v[2 * k + 1]; return r; }
+inline void hpin(H&) {}
+inline B fifth(B h, int t) { return {(vb)(((h.v >> t) & 1) << 4)}; }
+inline S sset1(int32_t a) { return {vw{} + a}; }
+inline G ghalf8(const uint8_t* p) { G a; for (int k = 0; k < 8; ++k) a.v[k] = half(p + 2 * k); return a; }
+inline void gstore(float* p, G a) { std::memcpy(p, &a.v, 32); }
 
 inline void round_bytes(const float* x, float scale, int8_t* q, int32_t* sums) {
   for (int j = 0; j < 32; ++j) q[j] = (int8_t)std::nearbyint(x[j] * scale);
