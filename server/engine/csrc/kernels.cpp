@@ -748,141 +748,141 @@ namespace {
 // Work is split by key/value head and by chunks of CHUNK cached positions at fixed offsets
 // (0, CHUNK, 2 CHUNK, ...). One item computes, for every query row of its head group (each new
 // token x each query head reading that key/value head), the scores over the chunk's keys that
-// row may see, their maximum, exp(s - max), its sum, and sum p v, reading each key and value
-// once for all rows: keys L at a time, transposed once so that each score is a run of
-// multiply-adds with no horizontal sums. Partial results are then merged per row in chunk order.
-// Every step of a row's arithmetic is fixed by its own query, its position and the chunk offsets.
+// row may see, their maximum, exp(s - max), its sum, and sum p v. Partial results are then
+// merged per row in chunk order. Every step of a row's arithmetic is fixed by its own query, its
+// position and the chunk offsets.
+//
+// The rows of one token (the G query heads of a key/value head) see the same keys and go through
+// the chunk together, up to 4 at a time, with the head dimension in the vector lanes: a score is
+// a run of multiply-adds over the dimension's 8-lane slices, summed across lanes once (for 4 keys
+// at a time, bytes::ghsum4), and sum p v keeps each row's sums in registers for the whole chunk.
+// Each key or value slice is read (and widened from float16) once per block of rows. Keys are
+// never transposed: a one-token pass (3 rows per key/value head on the embedded model) spent as
+// long transposing keys as scoring them. All builds use 8-lane vectors here (the AVX-512 build
+// too, as in the 8-bit linear layers).
 //
 // Grouped-query attention: query head h reads key/value head h / (heads / kv_heads), as
 // transformers' repeat_kv does.
 
 constexpr int64_t CHUNK = 256;
 
-// Scores of GR rows (scaled queries qs, D apart) against a transposed tile of L keys.
-template <int C, int GR>
-inline void score_rows(const float* qs, const float* kt, float* scores) {
-  constexpr int D = L * C;
-  F even[GR], odd[GR];
-  for (int g = 0; g < GR; ++g) even[g] = odd[g] = zero();
-  for (int d = 0; d < D; d += 2) {
-    const F k0 = load(kt + d * L), k1 = load(kt + (d + 1) * L);
-    for (int g = 0; g < GR; ++g) {
-      even[g] = fmadd(set1(qs[g * D + d]), k0, even[g]);
-      odd[g] = fmadd(set1(qs[g * D + d + 1]), k1, odd[g]);
-    }
-  }
-  for (int g = 0; g < GR; ++g) store(scores + g * CHUNK, add(even[g], odd[g]));
-}
+inline bytes::G kv8(const float* p) { return bytes::gload(p); }
+inline bytes::G kv8(const uint16_t* p) { return bytes::ghalf8((const uint8_t*)p); }
 
-// o_r += p_rj v_j for keys j < m of one tile, for GR rows r (their weights at scores + r * CHUNK,
-// their sums at part + r * (D + 2) + 2), VS L-lane slices of the head dimension at a time: each
-// weight is broadcast once per slice and each value vector loaded once for the GR rows. Every
-// (row, lane) sum still runs over the keys in order, whatever GR and VS are.
-template <int C, int GR, class T>
-inline void weighted_values(const int64_t* rows, int64_t m, const float* scores, const T* values, float* part) {
-  constexpr int D = L * C;
-  constexpr int VS = C < 4 ? C : 4;
-  for (int c0 = 0; c0 < C; c0 += VS) {
-    F o[GR][VS];
-    for (int g = 0; g < GR; ++g)
-      for (int c = 0; c < VS; ++c) o[g][c] = load(part + rows[g] * (D + 2) + 2 + (c0 + c) * L);
-    for (int64_t j = 0; j < m; ++j) {
-      F v[VS];
-      for (int c = 0; c < VS; ++c) v[c] = load_kv(values + j * D + (c0 + c) * L);
-      for (int g = 0; g < GR; ++g) {
-        const F p = set1(scores[rows[g] * CHUNK + j]);
-        for (int c = 0; c < VS; ++c) o[g][c] = fmadd(p, v[c], o[g][c]);
+// Scores of RB rows (scaled queries qs, D = 8 C8 apart) against keys [0, m) of the chunk
+// (keys, D apart), into scores (CHUNK apart per row). KB keys at a time; a last partial group
+// repeats key m - 1 (each score depends on its own row and key only; the extra ones are dropped).
+template <int C8, int RB, class T>
+inline void score_block(const float* qs, const T* keys, int64_t m, float* scores) {
+  using namespace bytes;
+  constexpr int D = 8 * C8, KB = RB <= 3 ? 4 : 2;
+  for (int64_t j0 = 0; j0 < m; j0 += KB) {
+    const T* kp[KB];
+    for (int k = 0; k < KB; ++k) kp[k] = keys + std::min(j0 + k, m - 1) * D;
+    G acc[RB][KB];
+    for (int r = 0; r < RB; ++r)
+      for (int k = 0; k < KB; ++k) acc[r][k] = gzero();
+    for (int c = 0; c < C8; ++c) {
+      G q[RB];
+      for (int r = 0; r < RB; ++r) q[r] = gload(qs + r * D + 8 * c);
+      for (int k = 0; k < KB; ++k) {
+        const G kv = kv8(kp[k] + 8 * c);
+        for (int r = 0; r < RB; ++r) acc[r][k] = gfmadd(q[r], kv, acc[r][k]);
       }
     }
-    for (int g = 0; g < GR; ++g)
-      for (int c = 0; c < VS; ++c) store(part + rows[g] * (D + 2) + 2 + (c0 + c) * L, o[g][c]);
+    for (int r = 0; r < RB; ++r) {
+      float s[4];
+      if constexpr (KB == 4) ghsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s);
+      else ghsum4(acc[r][0], acc[r][1], gzero(), gzero(), s);
+      for (int k = 0; k < KB && j0 + k < m; ++k) scores[r * CHUNK + j0 + k] = s[k];
+    }
+  }
+}
+
+// out_r = sum_j p_rj v_j over keys j < m in key order, for RB rows (weights at scores + r CHUNK,
+// sums at part + r (D + 2) + 2): VS 8-lane slices of the head dimension at a time, held in
+// registers for all m keys.
+template <int C8, int RB, class T>
+inline void value_block(const float* scores, const T* values, int64_t m, float* part) {
+  using namespace bytes;
+  constexpr int D = 8 * C8, VS0 = RB <= 3 ? 4 : 2, VS = VS0 < C8 ? VS0 : C8;
+  for (int c0 = 0; c0 < C8; c0 += VS) {
+    G o[RB][VS];
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < VS; ++c) o[r][c] = gzero();
+    for (int64_t j = 0; j < m; ++j) {
+      G p[RB];
+      for (int r = 0; r < RB; ++r) p[r] = gset1(scores[r * CHUNK + j]);
+      for (int c = 0; c < VS; ++c) {
+        const G v = kv8(values + j * D + 8 * (c0 + c));
+        for (int r = 0; r < RB; ++r) o[r][c] = gfmadd(p[r], v, o[r][c]);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < VS; ++c) gstore(part + r * (D + 2) + 2 + 8 * (c0 + c), o[r][c]);
   }
 }
 
 // One item: rows r = t * G + g (token t sees keys < limit[t]) against keys [c0, c1) of one
 // key/value head. Writes per row: max, sum of exp(s - max), sum of exp(s - max) v (D floats);
 // max = -inf when the row sees none of the chunk.
-template <int C, class T>
+template <int C8, class T>
 void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const T* keys,
            const T* values, int64_t c0, int64_t c1, float* scores, float* part) {
-  constexpr int D = L * C;
-  const int64_t R = n * G, S = c1 - c0;
-  std::vector<int64_t> seen(R);  // keys of this chunk each row sees
-  for (int64_t r = 0; r < R; ++r) seen[r] = std::min(std::max(limit[r / G] - c0, (int64_t)0), S);
-  // Scores, L keys at a time, each a sum over d in a fixed order (even and odd d apart, then
-  // added). A partial tile points its missing keys at zeros (their scores are never used).
-  alignas(64) static const float zeros[D] = {};
-  alignas(64) float kt[D * L];
-  alignas(64) float wide[std::is_same_v<T, float> ? 1 : L * D];  // float16 keys, as float32
-  for (int64_t j0 = 0; j0 < S; j0 += L) {
-    const float* kp[L];
-    for (int j = 0; j < L; ++j) {
-      if (j0 + j >= S) { kp[j] = zeros; continue; }
-      if constexpr (std::is_same_v<T, float>) {
-        kp[j] = keys + (c0 + j0 + j) * D;
-      } else {
-        for (int c = 0; c < C; ++c) store(wide + j * D + c * L, load_kv(keys + (c0 + j0 + j) * D + c * L));
-        kp[j] = wide + j * D;
+  constexpr int D = 8 * C8;
+  const int64_t S = c1 - c0;
+  const T* k0 = keys + c0 * D;
+  const T* v0 = values + c0 * D;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t seen = std::min(std::max(limit[t] - c0, (int64_t)0), S);  // keys of this chunk token t sees
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const int64_t r = t * G + g0, rb = std::min<int64_t>(4, G - g0);
+      float* pr = part + r * (D + 2);
+      if (seen == 0) {
+        for (int64_t i = 0; i < rb; ++i) { pr[i * (D + 2)] = -INFINITY; pr[i * (D + 2) + 1] = 0.0f; }
+        continue;
+      }
+      float* sr = scores + r * CHUNK;
+      switch (rb) {
+        case 1: score_block<C8, 1, T>(qs + r * D, k0, seen, sr); break;
+        case 2: score_block<C8, 2, T>(qs + r * D, k0, seen, sr); break;
+        case 3: score_block<C8, 3, T>(qs + r * D, k0, seen, sr); break;
+        default: score_block<C8, 4, T>(qs + r * D, k0, seen, sr); break;
+      }
+      // Softmax pieces per row over its seen keys; a partial last vector is padded with -inf.
+      for (int64_t i = 0; i < rb; ++i) {
+        float* s = sr + i * CHUNK;
+        alignas(64) float tail[L];
+        auto piece = [&](int64_t j0) {
+          if (j0 + L <= seen) return load(s + j0);
+          for (int j = 0; j < L; ++j) tail[j] = j0 + j < seen ? s[j0 + j] : -INFINITY;
+          return load(tail);
+        };
+        F best = set1(-INFINITY);
+        for (int64_t j0 = 0; j0 < seen; j0 += L) best = max(best, piece(j0));
+        const float top = hmax(best);
+        const F bv = set1(top);
+        F total = zero();
+        for (int64_t j0 = 0; j0 < seen; j0 += L) {
+          const F e = exp(sub(piece(j0), bv));
+          total = add(total, e);
+          if (j0 + L <= seen) {
+            store(s + j0, e);
+          } else {
+            store(tail, e);
+            std::memcpy(s + j0, tail, (seen - j0) * sizeof(float));
+          }
+        }
+        pr[i * (D + 2)] = top;
+        pr[i * (D + 2) + 1] = hsum(total);
+      }
+      switch (rb) {
+        case 1: value_block<C8, 1, T>(sr, v0, seen, pr); break;
+        case 2: value_block<C8, 2, T>(sr, v0, seen, pr); break;
+        case 3: value_block<C8, 3, T>(sr, v0, seen, pr); break;
+        default: value_block<C8, 4, T>(sr, v0, seen, pr); break;
       }
     }
-    for (int c = 0; c < C; ++c) transpose(kp, c * L, kt + c * L * L);
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) score_rows<C, 4>(qs + r * D, kt, scores + r * CHUNK + j0);
-    switch (R - r) {
-      case 1: score_rows<C, 1>(qs + r * D, kt, scores + r * CHUNK + j0); break;
-      case 2: score_rows<C, 2>(qs + r * D, kt, scores + r * CHUNK + j0); break;
-      case 3: score_rows<C, 3>(qs + r * D, kt, scores + r * CHUNK + j0); break;
-      default: break;
-    }
-  }
-  // Softmax pieces per row over the keys it sees in this chunk; a partial last vector is padded
-  // with -inf (exp gives 0 there).
-  alignas(64) float tail[L];
-  for (int64_t r = 0; r < R; ++r) {
-    float* pr = part + r * (D + 2);
-    float* sr = scores + r * CHUNK;
-    if (seen[r] == 0) {
-      pr[0] = -INFINITY;
-      pr[1] = 0.0f;
-      continue;
-    }
-    auto piece = [&](int64_t j0) {
-      if (j0 + L <= seen[r]) return load(sr + j0);
-      for (int j = 0; j < L; ++j) tail[j] = j0 + j < seen[r] ? sr[j0 + j] : -INFINITY;
-      return load(tail);
-    };
-    F best = set1(-INFINITY);
-    for (int64_t j0 = 0; j0 < seen[r]; j0 += L) best = max(best, piece(j0));
-    const float top = hmax(best);
-    const F bv = set1(top);
-    F total = zero();
-    for (int64_t j0 = 0; j0 < seen[r]; j0 += L) {
-      const F e = exp(sub(piece(j0), bv));
-      store(sr + j0, e);  // zero past `seen`
-      total = add(total, e);
-    }
-    pr[0] = top;
-    pr[1] = hsum(total);
-    for (int c = 0; c < C; ++c) store(pr + 2 + c * L, zero());
-  }
-  // sum_j p_j v_j in key order for every row. Rows that see the whole tile go through it in
-  // groups (each value vector loaded once per group), the others one by one; both do the same
-  // multiply-adds in the same order.
-  std::vector<int64_t> whole;
-  whole.reserve(R);
-  constexpr int GR = REGISTERS / (2 * (C < 4 ? C : 4));  // rows per group: half the registers hold sums
-  for (int64_t j0 = 0; j0 < S; j0 += L) {
-    const int64_t m = S - j0 < L ? S - j0 : L;
-    whole.clear();
-    for (int64_t r = 0; r < R; ++r) {
-      if (j0 >= seen[r]) continue;
-      const int64_t upto = std::min(m, seen[r] - j0);
-      if (upto == m) whole.push_back(r);
-      else weighted_values<C, 1, T>(&r, upto, scores + j0, values + (c0 + j0) * D, part);
-    }
-    size_t i = 0;
-    for (; i + GR <= whole.size(); i += GR) weighted_values<C, GR, T>(whole.data() + i, m, scores + j0, values + (c0 + j0) * D, part);
-    for (; i < whole.size(); ++i) weighted_values<C, 1, T>(whole.data() + i, m, scores + j0, values + (c0 + j0) * D, part);
   }
 }
 
@@ -892,10 +892,10 @@ using ChunkFn = void (*)(const float*, int64_t, int64_t, const int64_t*, const T
 template <class T>
 ChunkFn<T> pick(int64_t D) {
   switch (D) {
-    case 16: return chunk<16 / L, T>;
-    case 32: return chunk<32 / L, T>;
-    case 64: return chunk<64 / L, T>;
-    case 128: return chunk<128 / L, T>;
+    case 16: return chunk<2, T>;
+    case 32: return chunk<4, T>;
+    case 64: return chunk<8, T>;
+    case 128: return chunk<16, T>;
     default: return nullptr;
   }
 }

@@ -85,33 +85,6 @@ inline F to_float(I a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline F bits(I a) { return {_mm512_castsi512_ps(a.v)}; }
 inline F load_f16(const uint8_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
 
-// dst[i * L + j] = src[j][col + i] for i, j < L: L dimensions of L keys, transposed.
-inline void transpose(const float* const* src, int64_t col, float* dst) {
-  __m512 r[16], t[16];
-  for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(src[j] + col);
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane L: r[4i + k] = rows 4i..4i+3 of column 4L + k
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-  }
-  for (int k = 0; k < 4; ++k) {  // column 4L + k = lane L of r[k], r[4 + k], r[8 + k], r[12 + k]
-    const __m512 u0 = _mm512_shuffle_f32x4(r[k], r[4 + k], _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512 u1 = _mm512_shuffle_f32x4(r[k], r[4 + k], _MM_SHUFFLE(3, 2, 3, 2));
-    const __m512 u2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512 u3 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], _MM_SHUFFLE(3, 2, 3, 2));
-    _mm512_storeu_ps(dst + (0 + k) * 16, _mm512_shuffle_f32x4(u0, u2, _MM_SHUFFLE(2, 0, 2, 0)));
-    _mm512_storeu_ps(dst + (4 + k) * 16, _mm512_shuffle_f32x4(u0, u2, _MM_SHUFFLE(3, 1, 3, 1)));
-    _mm512_storeu_ps(dst + (8 + k) * 16, _mm512_shuffle_f32x4(u1, u3, _MM_SHUFFLE(2, 0, 2, 0)));
-    _mm512_storeu_ps(dst + (12 + k) * 16, _mm512_shuffle_f32x4(u1, u3, _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-}
 
 #elif defined(PARROT_AVX2)
 
@@ -182,24 +155,6 @@ inline F to_float(I a) { return {_mm256_cvtepi32_ps(a.v)}; }
 inline F bits(I a) { return {_mm256_castsi256_ps(a.v)}; }
 inline F load_f16(const uint8_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }
 
-inline void transpose(const float* const* src, int64_t col, float* dst) {
-  __m256 r[8], t[8], u[8];
-  for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(src[j] + col);
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int h = 0; h < 2; ++h) {  // rows 4h .. 4h + 3
-    u[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int k = 0; k < 4; ++k) {
-    _mm256_storeu_ps(dst + k * 8, _mm256_permute2f128_ps(u[k], u[4 + k], 0x20));
-    _mm256_storeu_ps(dst + (k + 4) * 8, _mm256_permute2f128_ps(u[k], u[4 + k], 0x31));
-  }
-}
 
 #else  // portable: GCC/Clang vector extensions
 
@@ -284,10 +239,6 @@ inline F to_float(I a) { return {__builtin_convertvector(a.v, vf)}; }
 inline F bits(I a) { F f; std::memcpy(&f.v, &a.v, sizeof f.v); return f; }
 inline F load_f16(const uint8_t* p) { F a; for (int i = 0; i < 8; ++i) a.v[i] = half(p + 2 * i); return a; }
 
-inline void transpose(const float* const* src, int64_t col, float* dst) {
-  for (int i = 0; i < 8; ++i)
-    for (int j = 0; j < 8; ++j) dst[i * 8 + j] = src[j][col + i];
-}
 
 #endif
 
@@ -407,6 +358,11 @@ inline void hpin(H& a) { asm("" : "+x"(a.v)); }
 inline S sset1(int32_t a) { return {_mm256_set1_epi32(a)}; }
 inline G ghalf8(const uint8_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }  // 8 float16
 inline void gstore(float* p, G a) { _mm256_storeu_ps(p, a.v); }
+// The lane sums of a, b, c, d into out[0..3], each ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)).
+inline void ghsum4(G a, G b, G c, G d, float* out) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a.v, b.v), _mm256_hadd_ps(c.v, d.v));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+}
 
 // 32 floats -> 32 bytes q = round(x scale) (to nearest, ties to even: MXCSR's default) and their
 // sums in fours (lane k: q[4k] + .. + q[4k+3]).
@@ -527,6 +483,13 @@ inline B fifth(B h, int t) { return {(vb)(((h.v >> t) & 1) << 4)}; }
 inline S sset1(int32_t a) { return {vw{} + a}; }
 inline G ghalf8(const uint8_t* p) { G a; for (int k = 0; k < 8; ++k) a.v[k] = half(p + 2 * k); return a; }
 inline void gstore(float* p, G a) { std::memcpy(p, &a.v, 32); }
+inline void ghsum4(G a, G b, G c, G d, float* out) {
+  const G all[4] = {a, b, c, d};
+  for (int k = 0; k < 4; ++k) {
+    const vg x = all[k].v;
+    out[k] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+  }
+}
 
 inline void round_bytes(const float* x, float scale, int8_t* q, int32_t* sums) {
   for (int j = 0; j < 32; ++j) q[j] = (int8_t)std::nearbyint(x[j] * scale);
