@@ -367,6 +367,26 @@ def test_a_drafter_registered_by_a_test_runs_through_the_engine():
     assert spec.stats.forward_passes <= len(plain.token_ids) // 4
 
 
+def test_an_eos_after_a_stop_string_in_the_same_pass_is_not_output():
+    """A stop string completed by the last accepted draft token, with the EOS the model wants
+    next as the pass's bonus token: the output ends at the stop string's token, without that EOS
+    (plain decoding never reaches it). The output once kept it: one token more than with
+    drafting off. Found by tests/test_engine_properties.py."""
+    from server.engine.engine import Engine
+    from tests.tiny import TinyTokenizer
+
+    prompt, answer = [1, 2, 3], [4, 5, 6, EOS]  # "abc", then "def" and EOS
+    results = {}
+    for spec in (False, True):
+        forward = ScriptedForward(prompt + answer, 64, eos=EOS)
+        engine = Engine(forward, TinyTokenizer(64), DraftingConfig(method="test-prediction", adaptive=False, max_draft=8))
+        results[spec] = engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=10, stop=("ef",)),
+                                                          SpeculationParams(enabled=spec), draft_context=[answer]))
+    assert results[True].stats.accepted_tokens == 3  # d, e, f in one pass (the draft ends at the stop string)
+    for result in results.values():
+        assert result.token_ids == [4, 5, 6] and result.text == "d" and result.finish_reason == "stop"
+
+
 def test_an_injected_draft_sizer_cuts_the_drafts():
     prompt = _prompt(3)
     params = SamplingParams(max_tokens=40, ignore_eos=True)

@@ -335,10 +335,11 @@ class Engine:
         tokens, finish = self._token_stops(seq, forced, verified)
         emitted = [t for t in tokens if t not in seq.stop_token_ids]
         kept, text = seq.text.add(emitted)
-        if kept < len(emitted):  # a stop string ended generation inside these tokens
-            tokens = emitted[:kept]
         if seq.text.stopped is not None:
-            finish = "stop"
+            # A stop string ended generation at emitted token ``kept``: what follows it goes,
+            # also a stop token right after it (an EOS drafted or yielded by the same pass),
+            # which plain decoding never reaches.
+            tokens, finish = emitted[:kept], "stop"
         return tokens, text, finish
 
     def _token_stops(
