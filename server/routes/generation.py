@@ -217,8 +217,12 @@ def submit_all(scheduler: Scheduler, requests: list[GenerationRequest], tag: str
 
 
 async def _watch_disconnect(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.25)
+    """Return when the client closes the connection. The body has been read, so the next message
+    is ``http.disconnect`` (Starlette's StreamingResponse listens the same way). Polling
+    ``is_disconnected()`` never saw it: behind a ``BaseHTTPMiddleware`` its cancelled receive
+    drops the message, and a client that gave up left its request generating to the end."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)  # nothing else is expected; never spin on it
 
 
 async def collect(state: ServerState, http: Request, requests: list[GenerationRequest], tag: str) -> list[Choice]:
@@ -250,8 +254,16 @@ async def collect(state: ServerState, http: Request, requests: list[GenerationRe
         watcher.cancel()
         if not work.done():
             work.cancel()
+        # A cancelled gather is handed a CancelledError once its drains end, and an engine error
+        # can lose the race to a disconnect: retrieve either, or asyncio logs it as never retrieved.
+        work.add_done_callback(_retrieve)
         for h in handles:
             h.cancel()  # no-op for finished requests; frees the KV cache of the others
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _engine_error(exc: EngineError) -> APIError:
