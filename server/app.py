@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -68,6 +72,34 @@ class _BodyTooLarge(Exception):
     pass
 
 
+# Answered while draining: the health check says so, and monitoring keeps working.
+_SERVED_WHILE_DRAINING = ("/health", "/metrics", "/v1/stats")
+
+
+class Draining:
+    """Counts the requests in flight (``state.in_flight``) and, once ``state.draining`` is set
+    (SIGTERM, see ``DrainingServer``), answers new ones with 503 and ``Connection: close``."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.state.draining and scope.get("path") not in _SERVED_WHILE_DRAINING:
+            refused = APIError(503, "the server is shutting down; retry on another instance", code="server_shutting_down",
+                               headers={"Connection": "close"})
+            await refused.response()(scope, receive, send)
+            return
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)  # returns once the response (a stream too) is sent
+        finally:
+            self.state.in_flight -= 1
+
+
 def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
     """The app. The model loads on a background thread at start-up; /health is 503 until then."""
     state = ServerState(config)
@@ -121,14 +153,63 @@ def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
         return response
 
     app.add_middleware(BodyLimit, limit=config.server.max_body_bytes)
+    app.add_middleware(Draining, state=state)
     return app
 
 
-def serve(config: Config) -> int:
-    import uvicorn
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining on SIGTERM (or a first Ctrl-C) instead of stopping.
 
-    app = create_app(config)
+    ``drain()`` sets the state draining: ``/health`` and every new request get 503 (the socket
+    stays open, so clients and load balancers are told rather than refused), and the requests in
+    flight run to the end. Once none is left, or after ``server.drain_timeout_s`` (the engine
+    then stops and ends what still runs with an error: 503, or an error event in a stream), the
+    server shuts down as uvicorn does and the process exits with status 0. A second signal
+    stops at once, as uvicorn's own handling does.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_deadline: float | None = None
+        self._engine_closed = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_deadline is None and not self.should_exit and sig in (signal.SIGTERM, signal.SIGINT):
+            self.drain()
+        else:
+            super().handle_exit(sig, frame)
+
+    def drain(self) -> None:
+        # Runs in a signal handler: only flags here; on_tick does the rest on the event loop.
+        self.state.draining = True
+        self.drain_deadline = time.monotonic() + self.state.config.server.drain_timeout_s
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None and not self.should_exit:
+            if counter % 10 == 0:
+                scheduler = self.state.scheduler
+                log.info("draining: %d requests in flight (%d running in the engine)", self.state.in_flight,
+                         scheduler.running if scheduler is not None else 0)
+            if self.state.in_flight == 0:
+                log.info("drained: no request in flight; shutting down")
+                self.should_exit = True
+            elif time.monotonic() >= self.drain_deadline and not self._engine_closed:
+                log.warning("drain timeout: ending the %d requests still in flight", self.state.in_flight)
+                if self.state.scheduler is not None:
+                    self.state.scheduler.close()  # they fail with EngineStopped, and answer so
+                self._engine_closed = True
+                self.drain_deadline += self.config.timeout_graceful_shutdown or 5
+            elif time.monotonic() >= self.drain_deadline:  # a request that waits on no engine
+                self.should_exit = True  # uvicorn cancels it after timeout_graceful_shutdown
+        return await super().on_tick(counter)
+
+
+def serve(config: Config, builder: EngineBuilder | None = None) -> int:
+    app = create_app(config, builder)
     host, port = config.server.host, config.server.port
     log.info("Parrot listening on http://%s:%d (model %s)", host, port, config.model.source)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5),
+                            app.state.parrot)
+    server.run()
     return 0

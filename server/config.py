@@ -71,6 +71,8 @@ class ServerConfig:
     # JSON schemas with keywords a grammar cannot enforce: served (the rest enforced, the output
     # checked against the whole schema afterwards) unless this is on, then refused with a 400.
     strict_schemas: bool = False
+    # SIGTERM drains: new requests get 503, in-flight ones run to the end for at most this long.
+    drain_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -81,6 +83,8 @@ class ServerConfig:
                 raise ValueError(f"server.{name} must be >= 1")
         if self.request_timeout_s <= 0:
             raise ValueError("server.request_timeout_s must be > 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError("server.drain_timeout_s must be >= 0")
 
 
 @dataclass(frozen=True)

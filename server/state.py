@@ -32,6 +32,8 @@ class ServerState:
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
     sessions: SessionStore | None = None  # cross-request drafting, when the config turns it on
+    draining: bool = False  # SIGTERM: in-flight requests finish, new ones get 503 (server/app.py)
+    in_flight: int = 0  # HTTP requests being answered (the event loop's count, app.Draining)
     _grammar: Any = None
     _grammar_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -54,9 +56,28 @@ class ServerState:
     def ready(self) -> bool:
         return self.scheduler is not None
 
-    def require_ready(self) -> tuple[LoadedModel, Scheduler]:
+    @property
+    def status(self) -> str:
+        """What ``/health`` says: ok (200), or loading, draining, error (503)."""
+        if self.load_error is not None or (self.scheduler is not None and self.scheduler.failure is not None):
+            return "error"
+        if self.scheduler is None:
+            return "loading"
+        return "draining" if self.draining else "ok"
+
+    @property
+    def error(self) -> str | None:
+        """Why the server cannot serve, when it failed: the model did not load, or the engine stopped."""
         if self.load_error is not None:
-            raise APIError(503, f"the model failed to load: {self.load_error}")
+            return f"the model failed to load: {self.load_error}"
+        if self.scheduler is not None and self.scheduler.failure is not None:
+            return f"the engine has stopped: {self.scheduler.failure}"
+        return None
+
+    def require_ready(self) -> tuple[LoadedModel, Scheduler]:
+        error = self.error
+        if error is not None:
+            raise APIError(503, error)
         if self.loaded is None or self.scheduler is None:
             raise APIError(503, "the model is still loading; retry shortly (GET /health turns 200 when ready)",
                            headers={"Retry-After": "5"})

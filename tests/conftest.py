@@ -101,9 +101,12 @@ class RunningServer:
 
         import uvicorn
 
+        from server.app import DrainingServer
+
         self.app = app
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
+                                     app.state.parrot)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self, timeout: float = 120.0) -> "RunningServer":
@@ -135,17 +138,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def engine_builder(engine, loaded_name: str):
+    """An ``EngineBuilder`` (``server.app``) that serves ``engine``, already loaded."""
+    from server.engine.loader import LoadedModel
+
+    forward = engine.forward
+    loaded = LoadedModel(forward=forward, tokenizer=engine.tokenizer, name=loaded_name, device=forward.device,
+                         dtype=forward.dtype, backend="native", context_window=forward.max_positions, load_seconds=0.0)
+    return lambda _config: (loaded, engine)
+
+
 def start_server(engine, loaded_name: str = "SmolLM2-135M-Instruct", **server_settings) -> RunningServer:
     """Serve ``engine`` (already loaded) through the real app on a free port."""
     from server.app import create_app
     from server.config import Config, ServerConfig
-    from server.engine.loader import LoadedModel
 
     config = Config(server=ServerConfig(**server_settings))
-    forward = engine.forward
-    loaded = LoadedModel(forward=forward, tokenizer=engine.tokenizer, name=loaded_name, device=forward.device,
-                         dtype=forward.dtype, backend="native", context_window=forward.max_positions, load_seconds=0.0)
-    app = create_app(config, builder=lambda _config: (loaded, engine))
+    app = create_app(config, builder=engine_builder(engine, loaded_name))
     return RunningServer(app, free_port()).start()
 
 

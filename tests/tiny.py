@@ -8,6 +8,7 @@ from a fixed seed, so both the native forward and the transformers fallback can 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,6 +100,22 @@ def tiny_engine(
     if cost is None and drafting.adaptive:
         cost = [0.0] + [1.0 + 0.02 * t for t in range(drafting.max_draft + 1)]
     return Engine(forward, TinyTokenizer(vocab_size), drafting, cost, prefill_chunk, sizer=sizer)  # type: ignore[arg-type]
+
+
+class SlowForward:
+    """A forward that sleeps ``delay_s`` before every pass, so that a request on the tiny model
+    stays in flight long enough for a test to act while it runs (disconnect, fault, drain)."""
+
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+
+    def forward(self, batch: Any) -> Any:
+        time.sleep(self.delay_s)
+        return self.inner.forward(batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def chi_square_below_quantile(expected: torch.Tensor, observed: torch.Tensor) -> tuple[float, float]:

@@ -1,8 +1,8 @@
 """Why a request did not run to the end, as types the HTTP layer dispatches on.
 
 ``EngineRequestError`` and its subclasses are the request's fault (``Engine.start`` raises them;
-HTTP 400); any other ``EngineError`` is the server's (the engine failed or is shutting down;
-HTTP 500). ``EngineRequestError`` is also a ``ValueError``, so callers that run the engine
+HTTP 400); ``EngineStopped`` means the server is shutting down (HTTP 503); any other
+``EngineError`` is the server's fault (the engine failed; HTTP 500). ``EngineRequestError`` is also a ``ValueError``, so callers that run the engine
 directly (the CLI, benchmarks) catch it as one.
 """
 
@@ -11,6 +11,13 @@ from __future__ import annotations
 
 class EngineError(Exception):
     """A request could not be run (invalid for the engine, or the engine failed)."""
+
+
+class EngineStopped(EngineError):
+    """The engine stopped before the request ended: the server is shutting down (HTTP 503)."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down")
 
 
 class EngineRequestError(EngineError, ValueError):

@@ -12,6 +12,12 @@ thread owns the engine and loops:
 4. hand each request's output to its asyncio queue with ``call_soon_threadsafe``; the handle
    keeps the finish reason and stats snapshot of the last one. A request's ``Generation`` never
    leaves this thread: observers and routes read ``StepOutput``s and the handle.
+
+Faults: an exception in ``Engine.step`` fails the requests of that step (their KV caches are
+dropped) and the loop goes on with the waiting ones; one in ``Engine.start`` fails that request
+only. Anything else raising in the loop is a bug of the loop itself, whose state can no longer
+be trusted: the engine stops, every request still waiting or running fails, ``failure`` says
+why (``/health`` then answers 503), and ``submit`` refuses new requests.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from server.engine.engine import Engine, Generation
-from server.engine.errors import EngineError
+from server.engine.errors import EngineError, EngineRequestError, EngineStopped
 from server.engine.interface import FinishReason, GenerationRequest, SequenceStats, StepOutput
 
 log = logging.getLogger("parrot.scheduler")
@@ -128,6 +134,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self.failure: str | None = None  # why the engine loop stopped by itself, if it did
 
     # -- called from the HTTP side --------------------------------------------------------------
 
@@ -137,15 +144,25 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
+        """End the loop (after its current step) and wait for it: whatever still runs or waits
+        fails with ``EngineStopped``."""
+        self.close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def close(self) -> None:
+        """``stop`` without waiting."""
         with self._cv:
             self._stop = True
             self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
 
     def submit(self, request: GenerationRequest, tag: str = "") -> RequestHandle:
         handle = RequestHandle(request, asyncio.get_running_loop(), self, tag)
         with self._cv:
+            if self.failure is not None:
+                raise EngineError(f"the engine has stopped: {self.failure}")
+            if self._stop:
+                raise EngineStopped()
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull
             self._waiting.append(handle)
@@ -168,13 +185,33 @@ class Scheduler:
     # -- the engine thread ----------------------------------------------------------------------
 
     def run(self) -> None:
-        """The engine loop; returns after ``stop``. All model work happens on this thread."""
+        """The engine loop; returns after ``stop`` (or a fault of the loop itself, see the module
+        docstring). All model work happens on this thread."""
+        error: EngineError = EngineStopped()
+        try:
+            self._loop()
+        except Exception as exc:
+            log.exception("the engine loop failed; the engine has stopped")
+            error = EngineError(f"internal error in the engine loop: {type(exc).__name__}")
+            with self._cv:
+                self.failure = str(error)
+        with self._cv:
+            self._stop = True  # submit refuses from now on, so nothing is left waiting
+            left = list(self._waiting) + [h for h, _ in self._running]
+            self._waiting.clear()
+        for _, generation in self._running:
+            generation.finish("error")
+        self._running = []
+        for handle in left:
+            self._finish(handle, error)
+
+    def _loop(self) -> None:
         while True:
             with self._cv:
                 while not self._stop and not self._waiting and not self._running:
                     self._cv.wait()
                 if self._stop:
-                    break
+                    return
                 admitted = self._admit()
             for handle in admitted:
                 self._start(handle)
@@ -182,8 +219,6 @@ class Scheduler:
             if self._running:
                 self._step()
             self._report_queue()
-        for handle in list(self._waiting) + [h for h, _ in self._running]:
-            self._finish(handle, EngineError("the server is shutting down"))
 
     def _admit(self) -> list[RequestHandle]:
         admitted: list[RequestHandle] = []
@@ -198,8 +233,12 @@ class Scheduler:
         handle.admitted_at = time.perf_counter()
         try:
             generation = self.engine.start(handle.request)
-        except ValueError as exc:  # an EngineRequestError, or another invalid input found on the way
-            self._finish(handle, exc if isinstance(exc, EngineError) else EngineError(str(exc)))
+        except EngineRequestError as exc:  # the request's fault (HTTP 400)
+            self._finish(handle, exc)
+            return
+        except Exception as exc:  # a bug, or no memory for its KV cache: fail this request only
+            log.exception("starting a request failed")
+            self._finish(handle, EngineError(f"internal error while starting the request: {type(exc).__name__}"))
             return
         handle.stats = generation.stats.snapshot()
         self._running.append((handle, generation))

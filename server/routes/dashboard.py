@@ -46,7 +46,7 @@ def _page() -> str:
 async def stats(request: Request) -> dict[str, Any]:
     """Windowed serving statistics (the dashboard's data); see the module docstring for fields."""
     state = request.app.state.parrot
-    status = "error" if state.load_error is not None else "ok" if state.ready else "loading"
+    status = state.status
     model = state.loaded.name if state.loaded is not None else None
     return {"status": status, "model": model, **state.stats.snapshot()}
 

@@ -20,7 +20,7 @@ from server.engine.engine import (
     StepOutput,
     TokenLogprob,
 )
-from server.engine.errors import ContextWindowExceeded, EngineRequestError
+from server.engine.errors import ContextWindowExceeded, EngineRequestError, EngineStopped
 from server.engine.interface import SPECULATION_COUNTERS
 from server.engine.loader import LoadedModel
 from server.engine.scheduler import EngineError, QueueFull, RequestHandle, Scheduler
@@ -213,6 +213,10 @@ def submit_all(scheduler: Scheduler, requests: list[GenerationRequest], tag: str
             code="queue_full",
             headers={"Retry-After": "1"},
         ) from None
+    except EngineError as exc:  # the engine stopped (a fault of its loop, or shutting down)
+        for h in handles:
+            h.cancel()
+        raise APIError(503, str(exc), code="server_shutting_down" if isinstance(exc, EngineStopped) else None) from None
     return handles
 
 
@@ -271,6 +275,8 @@ def _engine_error(exc: EngineError) -> APIError:
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, EngineRequestError):
         return APIError(400, str(exc))
+    if isinstance(exc, EngineStopped):
+        return APIError(503, str(exc), code="server_shutting_down")
     return APIError(500, str(exc))
 
 

@@ -11,13 +11,17 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """503 while the model loads (or if it failed to), 200 once requests can be served."""
+    """200 while requests can be served; 503 while the model loads, after it failed to load or
+    the engine stopped (with the reason), and while the server drains before exiting."""
     state = request.app.state.parrot
-    if state.load_error is not None:
-        return JSONResponse({"status": "error", "error": state.load_error}, status_code=503)
-    if not state.ready:
-        return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
-    return JSONResponse({"status": "ok", "model": state.loaded.name})
+    status = state.status
+    if status == "error":
+        return JSONResponse({"status": status, "error": state.error}, status_code=503)
+    if status == "loading":
+        return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": "5"})
+    if status == "draining":
+        return JSONResponse({"status": status}, status_code=503)
+    return JSONResponse({"status": status, "model": state.loaded.name})
 
 
 @router.get("/metrics")
