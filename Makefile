@@ -8,7 +8,7 @@ PORT   ?= 8000
 # The stamp is rebuilt when the dependency list changes; otherwise `make install` is a no-op.
 STAMP  := $(VENV)/.parrot-installed
 
-.PHONY: install serve test bench bench-drafter bench-grammar bench-peers bench-tokenizer replay-grammar replay-sessions replay-tools survey-schemas clean
+.PHONY: install serve test fuzz bench bench-drafter bench-grammar bench-peers bench-tokenizer replay-grammar replay-sessions replay-tools survey-schemas clean
 
 install: $(STAMP)
 
@@ -30,6 +30,12 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q
+
+# Schemathesis over the OpenAPI schema of a server with bounded generation (README, "Fault handling");
+# make fuzz FUZZ_ARGS="--url http://127.0.0.1:8000 --max-examples 50" to fuzz a running server.
+FUZZ_ARGS ?=
+fuzz: install
+	$(PY) -m loadtests.fuzz $(FUZZ_ARGS)
 
 bench: install
 	$(PY) -m loadtests.bench_engine

@@ -154,7 +154,27 @@ def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
 
     app.add_middleware(BodyLimit, limit=config.server.max_body_bytes)
     app.add_middleware(Draining, state=state)
+    if config.server.max_completion_tokens:
+        cap = config.server.max_completion_tokens
+
+        def openapi() -> dict[str, Any]:
+            schema = FastAPI.openapi(app)  # built once, then cached on the app
+            bound_completion_budgets(schema, cap)
+            return schema
+
+        app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def bound_completion_budgets(schema: dict[str, Any], cap: int) -> None:
+    """Give every completion budget field (``COMPLETION_BUDGET`` in ``server.schemas``) of an
+    OpenAPI schema the ``maximum`` the server enforces, so that clients and fuzzers see it."""
+    for component in schema.get("components", {}).get("schemas", {}).values():
+        for prop in component.get("properties", {}).values():
+            if prop.get("x-completion-budget"):
+                for branch in prop.get("anyOf", [prop]):
+                    if branch.get("type") == "integer":
+                        branch["maximum"] = cap
 
 
 class DrainingServer(uvicorn.Server):

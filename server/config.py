@@ -73,6 +73,9 @@ class ServerConfig:
     strict_schemas: bool = False
     # SIGTERM drains: new requests get 503, in-flight ones run to the end for at most this long.
     drain_timeout_s: float = 60.0
+    # The most tokens one completion may generate (0: what the context window leaves): the
+    # default when a request sets none, a 400 above it, and the maximum in the OpenAPI schema.
+    max_completion_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -85,6 +88,8 @@ class ServerConfig:
             raise ValueError("server.request_timeout_s must be > 0")
         if self.drain_timeout_s < 0:
             raise ValueError("server.drain_timeout_s must be >= 0")
+        if self.max_completion_tokens < 0:
+            raise ValueError("server.max_completion_tokens must be >= 0 (0: no limit but the context window)")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,11 @@ from server.errors import APIError
 from tokenizer.tools import tool_grammar
 
 
+# Marks the fields that bound a completion's tokens in the OpenAPI schema, where the server's
+# ``server.max_completion_tokens`` (when set) becomes their ``maximum`` (``server.app``).
+COMPLETION_BUDGET: dict[str, Any] = {"x-completion-budget": True}
+
+
 def valid_unicode(value: str) -> str:
     """``value`` unchanged, or ValueError naming the first lone surrogate (JSON allows "\\ud800",
     UTF-8 does not)."""
@@ -224,7 +229,7 @@ class _GenerationFields(_Strict):
 
 class CompletionRequest(_GenerationFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)  # 0 only with echo: see unsupported()
+    max_tokens: int | None = Field(default=16, ge=0, json_schema_extra=COMPLETION_BUDGET)  # 0 only with echo: see unsupported()
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
@@ -317,8 +322,8 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, json_schema_extra=COMPLETION_BUDGET)
+    max_completion_tokens: int | None = Field(default=None, ge=1, json_schema_extra=COMPLETION_BUDGET)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
@@ -383,7 +388,7 @@ class ChatCompletionRequest(_GenerationFields):
 
 class SummarizeRequest(_Strict):
     text: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, json_schema_extra=COMPLETION_BUDGET)
     style: Literal["sentences", "bullets"] = "sentences"
     max_input_tokens: int | None = Field(default=None, ge=1)
     model: str | None = None
@@ -396,7 +401,7 @@ class SummarizeRequest(_Strict):
 
 class CorrectRequest(_Strict):
     text: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, json_schema_extra=COMPLETION_BUDGET)
     model: str | None = None
     speculation: SpeculationOptions | None = None
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from server.errors import APIError, validation_error_of
-from server.schemas import ChatCompletionRequest, SpeculationOptions, _Strict
+from server.schemas import COMPLETION_BUDGET, ChatCompletionRequest, SpeculationOptions, _Strict
 
 
 class InputText(_Strict):
@@ -82,7 +82,7 @@ class ResponsesRequest(_Strict):
     model: str | None = None
     input: str | list[InputMessage | FunctionCallItem | FunctionCallOutputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, json_schema_extra=COMPLETION_BUDGET)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     text: TextOptions | None = None

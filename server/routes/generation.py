@@ -46,9 +46,17 @@ def check_model(loaded: LoadedModel, requested: str | None) -> None:
     )
 
 
-def check_context(loaded: LoadedModel, prompt_tokens: int, max_tokens: int | None, param: str) -> int:
-    """The completion budget: ``max_tokens``, or all the room left; 400 with exact counts if none."""
+def check_context(loaded: LoadedModel, prompt_tokens: int, max_tokens: int | None, param: str, cap: int = 0,
+                  explicit: bool = True) -> int:
+    """The completion budget: ``max_tokens``, or all the room left; 400 with exact counts if none.
+    ``cap``: the server's ``max_completion_tokens`` (0: none), a 400 when the request itself
+    (``explicit``) asks for more, the most it gets when its budget is a default."""
     window = loaded.context_window
+    if cap and max_tokens is not None and max_tokens > cap:
+        if explicit:
+            raise APIError(400, f"max_tokens ({max_tokens}) exceeds this server's limit of {cap} tokens per completion",
+                           param="max_tokens", code="invalid_value")
+        max_tokens = cap
     if max_tokens is None:
         if prompt_tokens >= window:
             raise APIError(
@@ -58,7 +66,7 @@ def check_context(loaded: LoadedModel, prompt_tokens: int, max_tokens: int | Non
                 param=param,
                 code="context_length_exceeded",
             )
-        return window - prompt_tokens
+        return min(window - prompt_tokens, cap) if cap else window - prompt_tokens
     if prompt_tokens + max_tokens > window:
         raise APIError(
             400,
@@ -69,6 +77,12 @@ def check_context(loaded: LoadedModel, prompt_tokens: int, max_tokens: int | Non
             code="context_length_exceeded",
         )
     return max_tokens
+
+
+def budget_is_explicit(body: Any) -> bool:
+    """Whether the request set its completion budget itself (rather than leaving the default)."""
+    return any(name in body.model_fields_set and getattr(body, name) is not None
+               for name in ("max_tokens", "max_completion_tokens"))
 
 
 def session_of(state: ServerState, http: Request, body: _GenerationFields) -> str | None:

@@ -32,6 +32,7 @@ from server.errors import APIError
 from server.routes.generation import (
     Choice,
     Constraint,
+    budget_is_explicit,
     check_context,
     check_model,
     collect,
@@ -401,7 +402,9 @@ async def generation_requests(state: ServerState, loaded: LoadedModel, body: Com
     prediction's ids (if any) and the output constraint (if any). ``session``: earlier texts of
     the tenant, to draft from."""
     vocab_size = loaded.forward.vocab_size
-    params = [sampling_params(body, check_context(loaded, len(ids), body.token_limit(), param), logprobs,
+    cap = state.config.server.max_completion_tokens
+    explicit = budget_is_explicit(body)
+    params = [sampling_params(body, check_context(loaded, len(ids), body.token_limit(), param, cap, explicit), logprobs,
                               prompt_logprobs, vocab_size) for ids in kept]
     prediction = loaded.tokenizer.encode(body.prediction.text()) if body.prediction is not None else None
     spec = speculation_params(body.speculation)

@@ -16,7 +16,7 @@ from server.engine.engine import GenerationRequest
 from server.engine.loader import LoadedModel
 from server.engine.sampling import SamplingParams
 from server.errors import APIError
-from server.routes.generation import check_context, check_model, collect, speculation_params, usage
+from server.routes.generation import budget_is_explicit, check_context, check_model, collect, speculation_params, usage
 from server.schemas import CorrectRequest, SummarizeRequest
 from server.state import state_of
 from server.textdiff import char_edits
@@ -65,7 +65,8 @@ async def _run(request: Request, loaded: LoadedModel, ids: list[int], max_tokens
                draft_context: list[list[int]], tag: str) -> tuple[str, dict[str, Any]]:
     """Generate greedily from ``ids``; ``max_tokens`` is the request's ``token_limit``."""
     state = state_of(request)
-    limit = check_context(loaded, len(ids), max_tokens, "text")
+    limit = check_context(loaded, len(ids), max_tokens, "text", state.config.server.max_completion_tokens,
+                          budget_is_explicit(body))
     generation = GenerationRequest(ids, SamplingParams(max_tokens=limit, temperature=0.0),
                                    speculation_params(body.speculation), draft_context)
     choices = await collect(state, request, [generation], tag)
