@@ -255,12 +255,13 @@ def sequences(draw, compiler, schemas, closers):
     }
 
 
-def _request(tokenizer, compiler, seq: dict, params: SamplingParams, drafting: bool) -> GenerationRequest:
+def _request(tokenizer, compiler, seq: dict, params: SamplingParams, drafting: bool,
+             context: list[list[int]] | None = None) -> GenerationRequest:
     constraint: Constraint | None = seq["constraint"]
     grammar = None if constraint is None else compiler.new_state(constraint.grammar, fast_forward=seq["fast_forward"])
     prompt = tokenizer.encode("Answer in JSON. " + seq["prompt"])
     spec = SpeculationParams(enabled=drafting, max_draft=seq["max_draft"], fast_forward=seq["fast_forward"])
-    return GenerationRequest(prompt, params, spec, grammar=grammar)
+    return GenerationRequest(prompt, params, spec, context or [], grammar=grammar)
 
 
 def _run(engine: Engine, requests: list[GenerationRequest], start_steps: list[int]) -> list[Generation]:
@@ -326,11 +327,13 @@ def test_engine_step_survives_any_draft_and_constrained_outputs_validate(embedde
         drafting = DraftingConfig(method="property-mix", adaptive=sizing == "policy", max_draft=MAX_DRAFT)
         engine = Engine(tiny_forward, tokenizer, drafting, cost, prefill_chunk,
                         sizer=random_sizer if sizing == "random" else None)
-        requests = [_request(tokenizer, compiler, seq, p, True) for seq, p in zip(batch, params)]
-        scripts = []
-        for seq, request, first in zip(batch, requests, firsts):
+        requests, scripts = [], []
+        for seq, p, first in zip(batch, params, firsts):
             tail = {"eos": [eos], "random": [rng.randrange(tokenizer.vocab_size) for _ in range(4)],
                     "eos+random": [eos, rng.randrange(tokenizer.vocab_size), eos], "none": []}[seq["tail"]]
+            # The n-gram drafter copies from the output and its tail too, as from a Predicted Output.
+            request = _request(tokenizer, compiler, seq, p, True, [list(first.output_ids) + tail])
+            requests.append(request)
             scripts.append(Script(seq["kinds"], list(first.output_ids), tail, len(request.prompt_ids), request.grammar,
                                   random.Random(seq["rng_seed"]), tokenizer.vocab_size, tokenizer))
         order = sorted(range(len(batch)), key=lambda i: batch[i]["start_step"])
@@ -349,7 +352,7 @@ def test_engine_step_survives_any_draft_and_constrained_outputs_validate(embedde
                 reason = constraint.satisfied_by(_text(gen, tokenizer))
                 assert reason is None, (constraint.kind, constraint.spec, _text(gen, tokenizer), reason)
                 totals[f"valid {constraint.kind}"] += 1
-            totals[f"end {constraint.kind if constraint else None} {gen.finish_reason}"] += 1
+            totals[f"end {constraint.kind if constraint else None} {gen.finish_reason}{' (stop string)' if stopped_by_string else ''}"] += 1
             totals["stop string"] += stopped_by_string
             totals["drafted"] += gen.stats.drafted_tokens
             totals["accepted"] += gen.stats.accepted_tokens
@@ -369,3 +372,22 @@ def test_engine_step_survives_any_draft_and_constrained_outputs_validate(embedde
     for kind in ("json_schema", "regex", "choice"):
         assert totals[f"valid {kind}"] > 0, kind
     assert totals["greedy"] > 0 and totals["seeded"] > 0
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_an_output_cut_by_max_tokens_is_length_even_where_the_grammar_ends_one_token_later(
+        embedded_tokenizer, compiler, tiny_forward, fast_forward):
+    """The grammar forces "111" (three tokens: SmolLM2 splits digits), and the pass yields one token
+    after the forced ones. With room for two, the output stops at two: finish_reason "length",
+    never "stop" (it was "stop", for an unfinished output, when the token past the limit completed
+    the grammar). Found by the property test above."""
+    grammar = compiler.compile("choice", ["111"])
+    assert embedded_tokenizer.encode("111") == [33, 33, 33]
+    prompt = embedded_tokenizer.encode("Say 111.")
+    for drafting in (False, True):
+        engine = Engine(tiny_forward, embedded_tokenizer, DraftingConfig(enabled=drafting, adaptive=False), None)
+        for max_tokens, finish in ((1, "length"), (2, "length"), (3, "stop"), (4, "stop")):
+            result = engine.generate(GenerationRequest(
+                prompt, SamplingParams(max_tokens=max_tokens), SpeculationParams(enabled=drafting, fast_forward=fast_forward),
+                grammar=compiler.new_state(grammar, fast_forward=fast_forward)))
+            assert (result.text, result.finish_reason) == ("111"[:max_tokens], finish), (max_tokens, drafting)

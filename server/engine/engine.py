@@ -358,8 +358,9 @@ class Engine:
                     tokens, finish = tokens[: i + 1], "stop"
                     break
         room = seq.params.max_tokens - len(seq.output_ids)
-        if len(tokens) >= room:
-            tokens = tokens[:room]
+        if len(tokens) > room:  # whatever stop there is comes after the last token allowed
+            tokens, finish = tokens[:room], "length"
+        elif len(tokens) == room:
             finish = finish or "length"
         return tokens, finish
 
