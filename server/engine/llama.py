@@ -282,10 +282,12 @@ class LlamaForward:
             self.native = self._describe(config)
             for linear in self._linears():
                 linear.modules = None
-                # Passes read the packed copies (8-bit path): the file's pages of those matrices can go.
+                # Passes read the packed copies (8-bit path): the blocks they were made from can go
+                # (a mapped file's pages come back if touched; an in-memory copy that token rows
+                # are expanded from stays).
                 for part in linear.blocks or []:
-                    if part.packed is not None:
-                        part.release_pages()
+                    if part.packed is not None and (part.mapped or part is not self._embed_weight):
+                        part.release_blocks()
             if self.native.embed_blocks:  # the tied LM head's blocks serve the embedding too
                 self.embed = None
 
@@ -297,6 +299,7 @@ class LlamaForward:
         tied = getattr(config, "tie_word_embeddings", False) and self.lm_head.blocks is not None and len(self.lm_head.blocks) == 1
         if embed is None and tied and self.lm_head.blocks:
             embed = self.lm_head.blocks[0]
+        self._embed_weight = embed
         self._embed_mats = mats([embed]) if embed is not None else []
         self._layer_descs = (LayerDesc * self.num_layers)(*[
             LayerDesc(layer.qkv.mat(), layer.o.mat(), layer.gate_up.mat(), layer.down.mat(),

@@ -63,6 +63,9 @@ class BlockWeight:
     packed: torch.Tensor | None = None
     # ``data`` is a view of a memory-mapped file (read_gguf_native), whose pages can be let go.
     mapped: bool = False
+    # ``data`` is a copy made for this weight alone (read_gguf_native's reordered q and k rows),
+    # which can be dropped once packed; blocks that callers may share are never dropped.
+    private: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,7 +74,7 @@ class BlockWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        return getattr(self, "_nbytes", self.data.numel())
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights, by the gguf package's reference de-quantisation."""
@@ -82,18 +85,22 @@ class BlockWeight:
             values = dequantize(self.data.numpy(), GGMLQuantizationType[self.kind.upper()])
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
 
-    def release_pages(self) -> None:
-        """Let the pages of a memory-mapped ``data`` go from this process's resident memory
-        (madvise MADV_DONTNEED): once the packed copy serves every pass, the file's pages would
-        only double the memory. They are read from the file again if ``data`` is touched (a
-        tied embedding's token rows). A no-op for data that is not mapped (it would be lost)."""
-        if not self.mapped or not hasattr(os, "sysconf"):
-            return
-        page = os.sysconf("SC_PAGE_SIZE")
-        start, end = self.data.data_ptr(), self.data.data_ptr() + self.data.numel()
-        first, last = -(-start // page) * page, end // page * page  # whole pages inside data only
-        if last > first:
-            _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4)  # MADV_DONTNEED
+    def release_blocks(self) -> None:
+        """Let go of ``data``'s memory once the packed copy serves every pass: the pages of a
+        memory-mapped file are handed back (madvise MADV_DONTNEED; they are read from the file
+        again if ``data`` is touched), and a private copy in memory (the q and k projections,
+        whose rows were reordered) is dropped: ``data`` then keeps its shape but no bytes, and
+        only the packed copy may be used. Shared blocks in memory are left as they are."""
+        if self.mapped:
+            if hasattr(os, "sysconf"):
+                page = os.sysconf("SC_PAGE_SIZE")
+                start, end = self.data.data_ptr(), self.data.data_ptr() + self.data.numel()
+                first, last = -(-start // page) * page, end // page * page  # whole pages inside data only
+                if last > first:
+                    _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4)  # MADV_DONTNEED
+        elif self.private and self.packed is not None:
+            self._nbytes = self.data.numel()
+            self.data = torch.zeros(1, dtype=torch.uint8).expand(self.data.shape)
 
     def rows(self, index: torch.Tensor) -> "BlockWeight":
         return BlockWeight(self.kind, self.data[index].contiguous())
@@ -319,7 +326,9 @@ def read_gguf_native(gguf_path: str, config: Any) -> tuple[dict[str, BlockWeight
             weight = BlockWeight(kind, torch.from_numpy(tensor.data), mapped=True)
         if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
-            weight = weight.rows(_unpermute_rows(weight.shape[0], heads))
+            mapped, weight = weight, weight.rows(_unpermute_rows(weight.shape[0], heads))
+            weight.private = True
+            mapped.release_blocks()  # the file's pages, read once for the copy
         blocks[name] = weight
     return blocks, small
 

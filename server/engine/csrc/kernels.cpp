@@ -91,12 +91,7 @@ template <int Shift, bool Min, bool Signed = false>
 struct HalfScales : Bytes<Shift, Min, Signed> {};
 // The K-quant formats take x in super-blocks of 256 (one multiplier each, as llama.cpp's Q8_K),
 // so that a super-block's products are summed in integers, each unit's scaled by its integer
-// scale, and converted to float once: `super` reads a super-block's multipliers.
-struct Super {
-  bytes::H scales;  // integer scales, as the format's unit_scale picks them
-  bytes::H group;   // multiplies the row's sums by 16: mins (MIN) or scales (SHIFT)
-  float d, dmin;
-};
+// scale, and converted to float once (their packed copy: `kpack` below).
 template <int Shift, bool Min>
 struct SuperBytes : Bytes<Shift, Min> {
   static constexpr bool SUPER = true;
@@ -165,31 +160,10 @@ inline Scales k_scales(const uint8_t* blk, int64_t b) {
   const float d = half(blk) * (float)k_scale(blk + 4, u);  // exact: 11 x 6 bits
   return {d, d, -(half(blk + 2) * (float)k_min(blk + 4, u))};
 }
-// weight = d scale q - dmin min: the products' integer sum times d, minus dmin times the sum of
-// min times the unit's x (its two sums by 16). The 12 bytes unpack to 8 scales then 8 mins
-// with word masks (as llama.cpp's kernels do; equal to k_scale and k_min).
-inline void k_super(const uint8_t* blk, Super& s) {
-  uint32_t w[4];
-  std::memcpy(w, blk + 4, 12);
-  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-  w[3] = ((w[2] >> 4) & low4) | (((w[1] >> 6) & low2) << 4);  // mins 4..7
-  const uint32_t mins = w[1] & low6;                            // mins 0..3
-  w[1] = (w[2] & low4) | (((w[0] >> 6) & low2) << 4);           // scales 4..7
-  w[2] = mins;
-  w[0] &= low6;                                                 // scales 0..3
-  uint8_t bytes[16];
-  std::memcpy(bytes, w, 16);
-  s.scales = bytes::heights(bytes);
-  s.group = bytes::hpairs(bytes + 8);
-  s.d = half(blk);
-  s.dmin = half(blk + 2);
-}
 // Q4_K (144 bytes per 256): d, dmin, scales, 128 bytes: unit u in bytes 32 (u / 2) .., nibble u % 2;
 // weight = d * scale * q - dmin * min.
 struct Q4_KW : Layout<144, 8>, SuperBytes<0, true> {
   static Scales scales(const uint8_t* blk, int64_t b) { return k_scales(blk, b); }
-  static void super(const uint8_t* blk, Super& s) { k_super(blk, s); }
-  static bytes::H unit_scale(const Super& s, int u) { return bytes::hpick(s.scales, u); }
   static bytes::B bytes(const uint8_t* blk, int64_t b) {
     const int u = (int)(b % 8);
     return bytes::bits(bytes::load(blk + 16 + 32 * (u / 2)), 4 * (u % 2), 15);
@@ -203,8 +177,6 @@ struct Q4_KW : Layout<144, 8>, SuperBytes<0, true> {
 // Q5_K (176 bytes): d, dmin, scales, 32 bytes of 5th bits (bit u of byte l), 128 bytes as Q4_K.
 struct Q5_KW : Layout<176, 8>, SuperBytes<0, true> {
   static Scales scales(const uint8_t* blk, int64_t b) { return k_scales(blk, b); }
-  static void super(const uint8_t* blk, Super& s) { k_super(blk, s); }
-  static bytes::H unit_scale(const Super& s, int u) { return bytes::hpick(s.scales, u); }
   static bytes::B bytes(const uint8_t* blk, int64_t b) {
     const int u = (int)(b % 8);
     return bytes::bor(bytes::bits(bytes::load(blk + 48 + 32 * (u / 2)), 4 * (u % 2), 15),
@@ -221,12 +193,6 @@ struct Q5_KW : Layout<176, 8>, SuperBytes<0, true> {
 // weights), d; weight = (d * scale) * (q - 32), rounded as the reference rounds it. The 8-bit path
 // sums scale (q - 32) x in integers: scale q x less 32 times the sum of scale times x by 16.
 struct Q6_KW : Layout<210, 8>, SuperBytes<5, false> {
-  static void super(const uint8_t* blk, Super& s) {
-    s.scales = s.group = bytes::hsigned(blk + 192);
-    s.d = half(blk + 208);
-    s.dmin = 0.0f;
-  }
-  static bytes::H unit_scale(const Super& s, int u) { return bytes::hpick2(s.scales, u); }
   static bytes::B bytes(const uint8_t* blk, int64_t b) {
     const int u = (int)(b % 8), h = u / 4, t = u % 4;
     return bytes::bor(bytes::bits(bytes::load(blk + 64 * h + 32 * (u % 2)), 4 * (t / 2), 15),
@@ -497,82 +463,182 @@ Tiles linear_packed(const W& w, const uint8_t* packed, const XU& x, int64_t M, f
 
 // Rows of x quantised per super-block of 256 for the K-quant formats: per row and super-block,
 // q (256 bytes), d and the sums of q by 16.
+// For the packed K-quant kernels also: the sums by 32, and q arranged as their steps read it
+// (`arranged(G)`: per pair of groups of G, 4 bytes a step: 2t, 2t + 1 of each group).
 struct XK {
   int64_t supers;
-  std::vector<int8_t> q;
-  std::vector<int16_t> sums;
+  std::vector<int8_t> q, q16, q32;
+  std::vector<int16_t> sums, sums32;
   std::vector<float> d;
-  XK(const float* x, int64_t M, int64_t K) : supers(K / 256), q(M * K), sums(M * supers * 16), d(M * supers) {
-    for (int64_t at = 0; at < M * supers; ++at) d[at] = bytes::quantize256(x + at * 256, &q[at * 256], &sums[at * 16]);
+  XK(const float* x, int64_t M, int64_t K)
+      : supers(K / 256), q(M * K), q16(M * K), q32(M * K), sums(M * supers * 16), sums32(M * supers * 8), d(M * supers) {
+    for (int64_t at = 0; at < M * supers; ++at) {
+      d[at] = bytes::quantize256(x + at * 256, &q[at * 256], &sums[at * 16]);
+      for (int g = 0; g < 8; ++g) sums32[at * 8 + g] = (int16_t)(sums[at * 16 + 2 * g] + sums[at * 16 + 2 * g + 1]);
+      arrange(&q[at * 256], 16, &q16[at * 256]);
+      arrange(&q[at * 256], 32, &q32[at * 256]);
+    }
+  }
+  const int8_t* arranged(int G) const { return G == 16 ? q16.data() : q32.data(); }
+
+ private:
+  static void arrange(const int8_t* in, int G, int8_t* out) {
+    for (int b = 0; b < 256 / (2 * G); ++b)
+      for (int t = 0; t < G / 2; ++t)
+        for (int j = 0; j < 4; ++j) out[b * 2 * G + 4 * t + j] = in[(2 * b + j / 2) * G + 2 * t + j % 2];
   }
 };
 
-// A row's super-block sum into its accumulator: the offset (SHIFT) or min (MIN) term from the
-// row's sums by 16, one conversion, scaled by d (and dmin) times the row's multiplier.
+// ---------------------------------------------------------------------------------------------
+// Packed K-quant weights for the 8-bit path (Q4_K, Q5_K, Q6_K), 8 weight rows interleaved as the
+// 32-weight formats' packed copy is. A super-block's integer scale belongs to a group of G
+// weights (32 for Q4_K and Q5_K, 16 for Q6_K); groups go in pairs (a "block" of 2 G weights), and
+// step t of a block holds, for each of the 8 rows, weights 2t, 2t + 1 of the pair's first group
+// and 2t, 2t + 1 of its second: the 16-bit lanes of one vector of byte products are then (row r,
+// first group), (row r, second group), so a multiply-add by the 16 scales (each row's two) adds a
+// block's products into one int32 per row, exactly. x is arranged in the same order (XK::arranged).
+// A super-block's sum is converted and scaled once per row, as in the file layout's kernels.
+//
+// A super-block of a group of 8 rows, BYTES bytes: d (8 float16) | dmin (8 float16; Q4_K, Q5_K)
+// | scales: per block 16 bytes (row r's two at 2r) | mins likewise (Q4_K, Q5_K) | per block: low
+// 4 bits of S = G / 2 steps, two steps per byte (step t in the low nibble of vector t % (S / 2)
+// when t < S / 2, else the high), then the high bits: Q5_K one plane per 8 steps (bit t % 8),
+// Q6_K one plane per 4 steps (bits 2 (t % 4), 2 (t % 4) + 1).
 template <class W>
-inline void super_done(const Super& sup, const XK& x, int64_t at, bytes::S total, bytes::G& acc) {
-  using namespace bytes;
-  const H sums = hload(&x.sums[at * 16]);
-  if constexpr (W::SHIFT > 0) total = ssub(total, sshl(hdot(sup.group, sums), W::SHIFT));
-  acc = gfmadd(gfloat(total), gset1(sup.d * x.d[at]), acc);
-  if constexpr (W::MIN) acc = gfmadd(gfloat(hdot(sup.group, sums)), gset1(-(sup.dmin * x.d[at])), acc);
+struct KPack;
+template <>
+struct KPack<Q4_KW> { static constexpr int G = 32, VB = 4; };
+template <>
+struct KPack<Q5_KW> { static constexpr int G = 32, VB = 5; };
+template <>
+struct KPack<Q6_KW> { static constexpr int G = 16, VB = 6; };
+
+template <class W>
+struct KLayout {
+  static constexpr int G = KPack<W>::G, VB = KPack<W>::VB, NB = 256 / (2 * G), S = G / 2;
+  static constexpr bool MIN = VB != 6;
+  static constexpr int FLUSH = VB == 4 ? 8 : VB == 5 ? 4 : 2;  // steps whose 16-bit sums cannot overflow
+  static constexpr int64_t SC_AT = MIN ? 32 : 16, MN_AT = SC_AT + NB * 16, BLK_AT = MN_AT + (MIN ? NB * 16 : 0);
+  static constexpr int64_t LOW = S / 2 * 32, HIGH = VB == 5 ? S / 8 * 32 : VB == 6 ? S / 4 * 32 : 0;
+  static constexpr int64_t BLOCK = LOW + HIGH, BYTES = BLK_AT + NB * BLOCK;
+};
+
+// Value k (0..255) of super-block `sb` of row n and its group's scale (and min).
+template <class W>
+void kvalues(const W& w, int64_t n, int64_t sb, uint8_t values[256], int scales[16], int mins[16]) {
+  const uint8_t* blk = w.block(n, sb * 8);
+  for (int u = 0; u < 8; ++u) bytes::bstore(values + 32 * u, W::bytes(blk, sb * 8 + u));
+  if constexpr (KPack<W>::VB == 6) {
+    for (int g = 0; g < 16; ++g) { scales[g] = (int8_t)blk[192 + g]; mins[g] = 0; }
+  } else {
+    for (int g = 0; g < 8; ++g) { scales[g] = k_scale(blk + 4, g); mins[g] = k_min(blk + 4, g); }
+  }
 }
 
-// MT rows of x against NT weight rows, a super-block at a time: each unit's byte products go
-// through its integer scale into one int32 sum per (row, weight row); the super-block's sum is
-// converted and scaled once, its min or offset term (the row's sums by 16 times `group`)
-// likewise. Every step of a row's sums is fixed by the row and the super-block, whatever the tile.
-template <int MT, int NT, class W>
-inline void ktile(const W& w, const XK& x, int64_t row, int64_t n, float* y, int64_t ldy) {
-  using namespace bytes;
-  G acc[MT][NT];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) acc[i][j] = gzero();
-  for (int64_t sb = 0; sb < x.supers; ++sb) {
-    const uint8_t* blk[NT];
-    Super sup[NT];
-    for (int j = 0; j < NT; ++j) {
-      blk[j] = w.block(n + j, sb * 8);
-      W::super(blk[j], sup[j]);
-    }
-    S sum[MT][NT];
-    for (int i = 0; i < MT; ++i)
-      for (int j = 0; j < NT; ++j) sum[i][j] = szero();
-#pragma GCC unroll 8
-    for (int u = 0; u < 8; ++u) {
-      for (int j = 0; j < NT; ++j) {
-        if (u % 2 == 0) __builtin_prefetch(blk[j] + AHEAD + 32 * u);  // the super-block's lines
-        const B wu = W::bytes(blk[j], u);
-        const H scale = W::unit_scale(sup[j], u);
-        for (int i = 0; i < MT; ++i)
-          sum[i][j] = sadd(sum[i][j], scaled(wu, load((const uint8_t*)&x.q[((row + i) * x.supers + sb) * 256 + 32 * u]), scale));
+template <class W>
+void kpack(const W& w, int64_t N, uint8_t* out) {
+  using P = KLayout<W>;
+  const int64_t supers = w.K / 256, groups = (N + 7) / 8;
+  std::memset(out, 0, groups * supers * P::BYTES);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      uint8_t* o = out + (g * supers + sb) * P::BYTES;
+      for (int64_t r = 0; r < 8 && g * 8 + r < N; ++r) {
+        const uint8_t* blk = w.block(g * 8 + r, sb * 8);
+        uint8_t values[256];
+        int scales[16], mins[16];
+        kvalues(w, g * 8 + r, sb, values, scales, mins);
+        std::memcpy(o + 2 * r, P::VB == 6 ? blk + 208 : blk, 2);
+        if constexpr (P::MIN) std::memcpy(o + 16 + 2 * r, blk + 2, 2);
+        for (int b = 0; b < P::NB; ++b) {
+          for (int h = 0; h < 2; ++h) {
+            o[P::SC_AT + 16 * b + 2 * r + h] = (uint8_t)scales[2 * b + h];
+            if constexpr (P::MIN) o[P::MN_AT + 16 * b + 2 * r + h] = (uint8_t)mins[2 * b + h];
+          }
+          uint8_t* v = o + P::BLK_AT + b * P::BLOCK;
+          for (int t = 0; t < P::S; ++t)
+            for (int j = 0; j < 4; ++j) {
+              const int value = values[(2 * b + j / 2) * P::G + 2 * t + j % 2];
+              v[32 * (t % (P::S / 2)) + 4 * r + j] |= (uint8_t)((value & 15) << (t < P::S / 2 ? 0 : 4));
+              if constexpr (P::VB == 5) v[P::LOW + 32 * (t / 8) + 4 * r + j] |= (uint8_t)(((value >> 4) & 1) << (t % 8));
+              if constexpr (P::VB == 6) v[P::LOW + 32 * (t / 4) + 4 * r + j] |= (uint8_t)(((value >> 4) & 3) << (2 * (t % 4)));
+            }
+        }
       }
     }
-    for (int i = 0; i < MT; ++i)
-      for (int j = 0; j < NT; ++j) super_done<W>(sup[j], x, (row + i) * x.supers + sb, sum[i][j], acc[i][j]);
+}
+
+// MT rows of x (from `row`) against one group of 8 weight rows, a super-block at a time.
+template <int MT, class W>
+inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, int64_t valid, float* y, int64_t ldy) {
+  using namespace bytes;
+  using P = KLayout<W>;
+  const int64_t supers = x.supers;
+  const int8_t* xa[MT];
+  G acc[MT];
+  for (int i = 0; i < MT; ++i) { acc[i] = gzero(); xa[i] = x.arranged(P::G) + (row + i) * supers * 256; }
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* blk = group + sb * P::BYTES;
+    for (int64_t o = 0; o < P::BYTES; o += 64) __builtin_prefetch(blk + AHEAD + o);
+    S total[MT];
+    for (int i = 0; i < MT; ++i) total[i] = szero();
+    for (int b = 0; b < P::NB; ++b) {
+      const H scale = P::VB == 6 ? hsigned(blk + P::SC_AT + 16 * b) : hbytes(blk + P::SC_AT + 16 * b);
+      const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
+      H part[MT];
+      for (int i = 0; i < MT; ++i) part[i] = hzero();
+#pragma GCC unroll 16
+      for (int t = 0; t < P::S; ++t) {
+        B wt = bits(load(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
+        if constexpr (P::VB == 5) wt = bor(wt, fifth(load(v + P::LOW + 32 * (t / 8)), t % 8));
+        if constexpr (P::VB == 6) wt = bor(wt, sixth(load(v + P::LOW + 32 * (t / 4)), t % 4));
+        for (int i = 0; i < MT; ++i) {
+          part[i] = hplus(part[i], pdot16(wt, bcast4(xa[i] + sb * 256 + b * 2 * P::G + 4 * t)));
+          hpin(part[i]);
+        }
+        if ((t + 1) % P::FLUSH == 0)
+          for (int i = 0; i < MT; ++i) { total[i] = sadd(total[i], hdot(part[i], scale)); part[i] = hzero(); }
+      }
+    }
+    const G dw = ghalf8(blk);
+    for (int i = 0; i < MT; ++i) {
+      const int64_t at = (row + i) * supers + sb;
+      if constexpr (P::VB == 6) {  // weight = d scale (q - 32): less 32 times the scales times x's sums by 16
+        S offset = szero();
+        for (int b = 0; b < P::NB; ++b) offset = sadd(offset, hdot(hsigned(blk + P::SC_AT + 16 * b), hpair(&x.sums[at * 16 + 2 * b])));
+        total[i] = ssub(total[i], sshl(offset, 5));
+      }
+      acc[i] = gfmadd(gfloat(total[i]), gmul(dw, gset1(x.d[at])), acc[i]);
+      if constexpr (P::MIN) {  // weight = d scale q - dmin min: less dmin times the mins times x's sums by 32
+        S mins = szero();
+        for (int b = 0; b < P::NB; ++b) mins = sadd(mins, hdot(hbytes(blk + P::MN_AT + 16 * b), hpair(&x.sums32[at * 8 + 2 * b])));
+        acc[i] = gfmadd(gfloat(mins), gmul(ghalf8(blk + 16), gset1(-x.d[at])), acc[i]);
+      }
+    }
   }
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) y[i * ldy + n + j] = ghsum(acc[i][j]);
-}
-
-template <int MT, int NT, class W>
-inline void kcolumns(const W& w, const XK& x, int64_t M, int64_t n, float* y, int64_t ldy) {
-  int64_t i = 0;
-  for (; i + MT <= M; i += MT) ktile<MT, NT>(w, x, i, n, y + i * ldy, ldy);
-  for (; i < M; ++i) ktile<1, NT>(w, x, i, n, y + i * ldy, ldy);
-}
-
-template <int MT, int NT, class W>
-Tiles ktiles(const W& w, const XK& x, int64_t M, float* y, int64_t N, int64_t ldy) {
-  return row_tiles<NT>(N, [=, &x](int64_t n, auto width) { kcolumns<MT, decltype(width)::value>(w, x, M, n, y, ldy); });
+  for (int i = 0; i < MT; ++i) {
+    float lanes[8];
+    gstore(lanes, acc[i]);
+    std::memcpy(y + (row + i) * ldy + n, lanes, valid * sizeof(float));
+  }
 }
 
 template <class W>
-Tiles linear_super(const W& w, const XK& x, int64_t M, float* y, int64_t N, int64_t ldy) {
-  if (M == 1) return ktiles<1, 2>(w, x, M, y, N, ldy);  // 4 weight rows: Q4_K 2-5% faster, Q5_K 18% slower
-  if (M == 2) return ktiles<2, 2>(w, x, M, y, N, ldy);
-  if (M <= 4) return ktiles<4, 1>(w, x, M, y, N, ldy);
-  return ktiles<8, 1>(w, x, M, y, N, ldy);
+Tiles linear_kpacked(const W& w, const uint8_t* packed, const XK& x, int64_t M, float* y, int64_t N, int64_t ldy) {
+  const int64_t stride = (w.K / 256) * KLayout<W>::BYTES;
+  return {[=, &x](int64_t g) {
+            const uint8_t* group = packed + g * stride;
+            const int64_t n = g * 8, valid = std::min<int64_t>(8, N - n);
+            int64_t i = 0;
+            for (; i + 4 <= M; i += 4) kptile<4, W>(group, x, i, n, valid, y, ldy);
+            switch (M - i) {
+              case 3: kptile<3, W>(group, x, i, n, valid, y, ldy); break;
+              case 2: kptile<2, W>(group, x, i, n, valid, y, ldy); break;
+              case 1: kptile<1, W>(group, x, i, n, valid, y, ldy); break;
+              default: break;
+            }
+          },
+          (N + 7) / 8};
 }
 
 template <class W>
@@ -612,7 +678,7 @@ template <class W>
 Tiles linear_part(const W& w, const uint8_t* packed, const float* x, const XU* xu, const XK* xk, int64_t M,
                   float* y, int64_t N, int64_t ldy) {
   if constexpr (W::SUPER) {
-    if (xk != nullptr && xk->supers == w.K / 256) return linear_super(w, *xk, M, y, N, ldy);
+    if (packed != nullptr && xk != nullptr && xk->supers == w.K / 256) return linear_kpacked(w, packed, *xk, M, y, N, ldy);
   } else if constexpr (W::INTEGER) {
     if (packed != nullptr && xu != nullptr && xu->K == w.K) return linear_packed(w, packed, *xu, M, y, N, ldy);
   }
@@ -664,6 +730,9 @@ int64_t parrot_packed_bytes(int32_t kind, int64_t N, int64_t K) {
     case Q5_0: return groups * units * Pack<Q5_0W>::BYTES;
     case Q5_1: return groups * units * Pack<Q5_1W>::BYTES;
     case Q8_0: return groups * units * Pack<Q8_0W>::BYTES;
+    case Q4_K: return K % 256 ? 0 : groups * (K / 256) * KLayout<Q4_KW>::BYTES;
+    case Q5_K: return K % 256 ? 0 : groups * (K / 256) * KLayout<Q5_KW>::BYTES;
+    case Q6_K: return K % 256 ? 0 : groups * (K / 256) * KLayout<Q6_KW>::BYTES;
     default: return 0;
   }
 }
@@ -677,6 +746,9 @@ void parrot_pack(const Mat* w, uint8_t* out) {
     case Q5_0: pack(Q5_0W{{w->data, K}}, w->N, out); break;
     case Q5_1: pack(Q5_1W{{w->data, K}}, w->N, out); break;
     case Q8_0: pack(Q8_0W{{w->data, K}}, w->N, out); break;
+    case Q4_K: kpack(Q4_KW{{w->data, K}}, w->N, out); break;
+    case Q5_K: kpack(Q5_KW{{w->data, K}}, w->N, out); break;
+    case Q6_K: kpack(Q6_KW{{w->data, K}}, w->N, out); break;
     default: break;
   }
 }
@@ -689,7 +761,7 @@ void parrot_linear(const Mat* w, const float* x, int64_t M, float* y, int thread
   bool any_packed = false, any_super = false;
   for (const Mat* p = w; p != nullptr; p = p->next) {
     ldy += p->N;
-    any_packed |= p->packed != nullptr;
+    any_packed |= p->packed != nullptr && p->kind >= Q4_0 && p->kind <= Q8_0;
     any_super |= p->kind >= Q4_K && p->kind <= Q6_K;
   }
   const std::unique_ptr<XU> xu(q8 && any_packed ? new XU(x, M, w->K) : nullptr);

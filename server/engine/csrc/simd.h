@@ -304,6 +304,11 @@ inline B fifth(B h, int t) {
   const __m256i moved = t <= 4 ? _mm256_slli_epi16(h.v, 4 - t) : _mm256_srli_epi16(h.v, t - 4);
   return {_mm256_and_si256(moved, _mm256_set1_epi8(16))};
 }
+// Bits 2s, 2s + 1 of each byte of h, moved to bits 4, 5 (the high bits of a 6-bit value).
+inline B sixth(B h, int s) {
+  const __m256i moved = s <= 2 ? _mm256_slli_epi16(h.v, 4 - 2 * s) : _mm256_srli_epi16(h.v, 2 * s - 4);
+  return {_mm256_and_si256(moved, _mm256_set1_epi8(0x30))};
+}
 inline S ssub(S a, S b) { return {_mm256_sub_epi32(a.v, b.v)}; }
 inline S sshl(S a, int n) { return {_mm256_sll_epi32(a.v, _mm_cvtsi32_si128(n))}; }
 inline S sload(const int32_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
@@ -322,29 +327,10 @@ inline float ghsum(G a) {  // the AVX2 build's hsum order
 inline void gpin(G& a) { asm("" : "+x"(a.v)); }
 inline void bpin(B& a) { asm("" : "+x"(a.v)); }
 
-// Super-block sums (K-quant formats): H is 16 int16 multipliers, one per pair sum of bytes
-// (2k, 2k + 1) as maddubs makes them. Lane k of scaled(u, x, s) is
-// s[2k] (u[4k] x[4k] + u[4k+1] x[4k+1]) + s[2k+1] (u[4k+2] x[4k+2] + u[4k+3] x[4k+3]), exactly
-// (callers keep u < 64, so no 16-bit pair sum saturates, and the products within int32).
+// 16 int16 lanes: sums of byte pairs (2k, 2k + 1) as maddubs makes them, and their multipliers
+// (the K-quant formats' integer scales); hdot multiplies them and adds lanes in pairs, exactly.
 struct H { __m256i v; };
-inline H hload(const int16_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
-inline H hset1(int16_t a) { return {_mm256_set1_epi16(a)}; }
-inline H hset2(int16_t lo, int16_t hi) { return {_mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo))}; }  // lanes 0..7, 8..15
-inline H hpairs(const uint8_t* p) {  // lanes 2k, 2k + 1: p[k] (8 unsigned bytes)
-  const __m128i a = _mm_loadl_epi64((const __m128i*)p);
-  return {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, a))};
-}
 inline H hsigned(const uint8_t* p) { return {_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p))}; }  // 16 signed bytes
-// 8 unsigned bytes in lanes 0..7 and again in 8..15, for hpick.
-inline H heights(const uint8_t* p) { return {_mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p)))}; }
-inline H hpick(H eights, int k) { return {_mm256_shuffle_epi8(eights.v, _mm256_set1_epi16((int16_t)(2 * k | (2 * k + 1) << 8)))}; }  // lane k everywhere
-// Lanes 0..7: a[2k], lanes 8..15: a[2k + 1].
-inline H hpick2(H a, int k) {
-  const __m256i pair = _mm256_permutevar8x32_epi32(a.v, _mm256_set1_epi32(k));
-  return {_mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                     2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3))};
-}
-inline S scaled(B u, B x, H s) { return {_mm256_madd_epi16(_mm256_maddubs_epi16(u.v, x.v), s.v)}; }
 inline S hdot(H a, H b) { return {_mm256_madd_epi16(a.v, b.v)}; }  // lane k: a[2k] b[2k] + a[2k+1] b[2k+1]
 inline S sadd(S a, S b) { return {_mm256_add_epi32(a.v, b.v)}; }
 inline S szero() { return {_mm256_setzero_si256()}; }
@@ -355,6 +341,8 @@ inline H hplus(H a, H b) { return {_mm256_add_epi16(a.v, b.v)}; }
 inline H hzero() { return {_mm256_setzero_si256()}; }
 inline S widen(H a) { return {_mm256_madd_epi16(a.v, _mm256_set1_epi16(1))}; }
 inline void hpin(H& a) { asm("" : "+x"(a.v)); }
+inline H hbytes(const uint8_t* p) { return {_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p))}; }   // 16 unsigned bytes
+inline H hpair(const int16_t* p) { int32_t v; std::memcpy(&v, p, 4); return {_mm256_set1_epi32(v)}; }  // p[0], p[1], 8 times
 inline S sset1(int32_t a) { return {_mm256_set1_epi32(a)}; }
 inline G ghalf8(const uint8_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }  // 8 float16
 inline void gstore(float* p, G a) { _mm256_storeu_ps(p, a.v); }
@@ -443,26 +431,7 @@ inline void bpin(B&) {}
 
 typedef int16_t vh __attribute__((vector_size(32)));
 struct H { vh v; };
-inline H hload(const int16_t* p) { H a; std::memcpy(&a.v, p, 32); return a; }
-inline H hset1(int16_t a) { return {vh{} + a}; }
-inline H hset2(int16_t lo, int16_t hi) { H a; for (int k = 0; k < 16; ++k) a.v[k] = k < 8 ? lo : hi; return a; }
-inline H hpairs(const uint8_t* p) { H a; for (int k = 0; k < 16; ++k) a.v[k] = p[k / 2]; return a; }
 inline H hsigned(const uint8_t* p) { H a; for (int k = 0; k < 16; ++k) a.v[k] = (int8_t)p[k]; return a; }
-inline H heights(const uint8_t* p) { H a; for (int k = 0; k < 16; ++k) a.v[k] = p[k % 8]; return a; }
-inline H hpick(H eights, int k) { return hset1(eights.v[k]); }
-inline H hpick2(H a, int k) { return hset2(a.v[2 * k], a.v[2 * k + 1]); }
-inline S scaled(B u, B x, H s) {
-  S r;
-  for (int k = 0; k < 8; ++k) {
-    int32_t p[2];
-    for (int h = 0; h < 2; ++h) {
-      const int j = 4 * k + 2 * h;
-      p[h] = (int32_t)u.v[j] * (int32_t)(int8_t)x.v[j] + (int32_t)u.v[j + 1] * (int32_t)(int8_t)x.v[j + 1];
-    }
-    r.v[k] = (int32_t)s.v[2 * k] * p[0] + (int32_t)s.v[2 * k + 1] * p[1];
-  }
-  return r;
-}
 inline S hdot(H a, H b) {
   S r;
   for (int k = 0; k < 8; ++k) r.v[k] = (int32_t)a.v[2 * k] * b.v[2 * k] + (int32_t)a.v[2 * k + 1] * b.v[2 * k + 1];
@@ -480,6 +449,9 @@ inline H hzero() { return {vh{}}; }
 inline S widen(H a) { S r; for (int k = 0; k < 8; ++k) r.v[k] = (int32_t)a.v[2 * k] + a.v[2 * k + 1]; return r; }
 inline void hpin(H&) {}
 inline B fifth(B h, int t) { return {(vb)(((h.v >> t) & 1) << 4)}; }
+inline B sixth(B h, int s) { return {(vb)(((h.v >> (2 * s)) & 3) << 4)}; }
+inline H hbytes(const uint8_t* p) { H a; for (int k = 0; k < 16; ++k) a.v[k] = p[k]; return a; }
+inline H hpair(const int16_t* p) { H a; for (int k = 0; k < 16; ++k) a.v[k] = p[k % 2]; return a; }
 inline S sset1(int32_t a) { return {vw{} + a}; }
 inline G ghalf8(const uint8_t* p) { G a; for (int k = 0; k < 8; ++k) a.v[k] = half(p + 2 * k); return a; }
 inline void gstore(float* p, G a) { std::memcpy(p, &a.v, 32); }
