@@ -402,7 +402,10 @@ inline void ptile(const uint8_t* group, const XU& x, int64_t row, int64_t n, int
   }
   for (int64_t b = 0; b < units; ++b) {
     const uint8_t* blk = group + b * P::BYTES;
-    for (int64_t o = 0; o < P::BYTES; o += 64) __builtin_prefetch(blk + AHEAD + o);
+    // Fetched ahead for tiles of several rows of x; a one-row tile streams its group once, in
+    // order, and the fetches only added to the misses in flight (1B Q4_K_M one-token pass 10% faster without).
+    if constexpr (MT > 1)
+      for (int64_t o = 0; o < P::BYTES; o += 64) __builtin_prefetch(blk + AHEAD + o);
     S sum[MT];
     if constexpr (W::BITS == 8) {
       for (int i = 0; i < MT; ++i) sum[i] = szero();
@@ -579,7 +582,10 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
   for (int i = 0; i < MT; ++i) { acc[i] = gzero(); xa[i] = x.arranged(P::G) + (row + i) * supers * 256; }
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* blk = group + sb * P::BYTES;
-    for (int64_t o = 0; o < P::BYTES; o += 64) __builtin_prefetch(blk + AHEAD + o);
+    // Fetched ahead for tiles of several rows of x; a one-row tile streams its group once, in
+    // order, and the fetches only added to the misses in flight (1B Q4_K_M one-token pass 10% faster without).
+    if constexpr (MT > 1)
+      for (int64_t o = 0; o < P::BYTES; o += 64) __builtin_prefetch(blk + AHEAD + o);
     S total[MT];
     for (int i = 0; i < MT; ++i) total[i] = szero();
     for (int b = 0; b < P::NB; ++b) {
