@@ -29,9 +29,10 @@ def word_level_tokenizer() -> Tokenizer:
 @pytest.fixture(scope="module")
 def client():
     state = ServerState(Config())
-    # The token routes read only these of the loaded model; no scheduler runs (none is needed).
+    # The token routes read only these of the loaded model; no scheduler runs (none is needed;
+    # readiness asks it for a failure).
     state.loaded = SimpleNamespace(tokenizer=word_level_tokenizer(), name="words", context_window=64)  # type: ignore[assignment]
-    state.scheduler = SimpleNamespace()  # type: ignore[assignment]
+    state.scheduler = SimpleNamespace(failure=None)  # type: ignore[assignment]
     app = FastAPI()
     app.state.parrot = state
     install_error_handlers(app)
