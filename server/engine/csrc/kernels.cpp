@@ -383,6 +383,36 @@ struct XU {
   }
 };
 
+// A group's outputs for MT rows of x: the first `valid` lanes of each accumulator, ldy apart.
+template <int MT>
+inline void store_group(const bytes::G* acc, float* y, int64_t ldy, int64_t valid) {
+  for (int i = 0; i < MT; ++i) {
+    float lanes[8];
+    bytes::gstore(lanes, acc[i]);
+    std::memcpy(y + i * ldy, lanes, valid * sizeof(float));
+  }
+}
+
+// One tile per group of 8 weight rows (`stride` bytes apart in `packed`), all M rows of x through
+// it 4 at a time (16 registers: 4 accumulators, 4 sums, the weights and x's bytes):
+// run(MT, group, row, n, valid) computes rows row .. row + MT - 1 against the group of outputs n ...
+template <class Run>
+Tiles group_tiles(const uint8_t* packed, int64_t stride, int64_t M, int64_t N, Run run) {
+  return {[=](int64_t g) {
+            const uint8_t* group = packed + g * stride;
+            const int64_t n = g * 8, valid = std::min<int64_t>(8, N - n);
+            int64_t i = 0;
+            for (; i + 4 <= M; i += 4) run(std::integral_constant<int, 4>{}, group, i, n, valid);
+            switch (M - i) {
+              case 3: run(std::integral_constant<int, 3>{}, group, i, n, valid); break;
+              case 2: run(std::integral_constant<int, 2>{}, group, i, n, valid); break;
+              case 1: run(std::integral_constant<int, 1>{}, group, i, n, valid); break;
+              default: break;
+            }
+          },
+          (N + 7) / 8};
+}
+
 // MT rows of x (from `row`) against one group of 8 weight rows (outputs n .. n + valid - 1).
 template <int MT, class W>
 inline void ptile(const uint8_t* group, const XU& x, int64_t row, int64_t n, int64_t valid, float* y, int64_t ldy) {
@@ -437,31 +467,14 @@ inline void ptile(const uint8_t* group, const XU& x, int64_t row, int64_t n, int
       if constexpr (W::MIN) acc[i] = gfmadd(ghalf8(blk + P::M_AT), gset1(xs[i][b]), acc[i]);
     }
   }
-  for (int i = 0; i < MT; ++i) {
-    float lanes[8];
-    gstore(lanes, acc[i]);
-    std::memcpy(y + (row + i) * ldy + n, lanes, valid * sizeof(float));
-  }
+  store_group<MT>(acc, y + row * ldy + n, ldy, valid);
 }
 
-// One tile per group of 8 weight rows, all M rows of x through it 4 at a time (16 registers:
-// 4 accumulators, 4 sums, the weights and x's bytes).
 template <class W>
 Tiles linear_packed(const W& w, const uint8_t* packed, const XU& x, int64_t M, float* y, int64_t N, int64_t ldy) {
-  const int64_t stride = (w.K / 32) * Pack<W>::BYTES;
-  return {[=, &x](int64_t g) {
-            const uint8_t* group = packed + g * stride;
-            const int64_t n = g * 8, valid = std::min<int64_t>(8, N - n);
-            int64_t i = 0;
-            for (; i + 4 <= M; i += 4) ptile<4, W>(group, x, i, n, valid, y, ldy);
-            switch (M - i) {
-              case 3: ptile<3, W>(group, x, i, n, valid, y, ldy); break;
-              case 2: ptile<2, W>(group, x, i, n, valid, y, ldy); break;
-              case 1: ptile<1, W>(group, x, i, n, valid, y, ldy); break;
-              default: break;
-            }
-          },
-          (N + 7) / 8};
+  return group_tiles(packed, (w.K / 32) * Pack<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid) {
+    ptile<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy);
+  });
 }
 
 // Rows of x quantised per super-block of 256 for the K-quant formats: per row and super-block,
@@ -622,29 +635,14 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
       }
     }
   }
-  for (int i = 0; i < MT; ++i) {
-    float lanes[8];
-    gstore(lanes, acc[i]);
-    std::memcpy(y + (row + i) * ldy + n, lanes, valid * sizeof(float));
-  }
+  store_group<MT>(acc, y + row * ldy + n, ldy, valid);
 }
 
 template <class W>
 Tiles linear_kpacked(const W& w, const uint8_t* packed, const XK& x, int64_t M, float* y, int64_t N, int64_t ldy) {
-  const int64_t stride = (w.K / 256) * KLayout<W>::BYTES;
-  return {[=, &x](int64_t g) {
-            const uint8_t* group = packed + g * stride;
-            const int64_t n = g * 8, valid = std::min<int64_t>(8, N - n);
-            int64_t i = 0;
-            for (; i + 4 <= M; i += 4) kptile<4, W>(group, x, i, n, valid, y, ldy);
-            switch (M - i) {
-              case 3: kptile<3, W>(group, x, i, n, valid, y, ldy); break;
-              case 2: kptile<2, W>(group, x, i, n, valid, y, ldy); break;
-              case 1: kptile<1, W>(group, x, i, n, valid, y, ldy); break;
-              default: break;
-            }
-          },
-          (N + 7) / 8};
+  return group_tiles(packed, (w.K / 256) * KLayout<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid) {
+    kptile<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy);
+  });
 }
 
 template <class W>
