@@ -33,14 +33,48 @@ _PRE_TOKENIZER_FIXES = {
 }
 
 
-def gguf_pre_tokenizer_name(gguf_path: str) -> str | None:
-    """The ``tokenizer.ggml.pre`` value of a GGUF file (None when absent)."""
+# Byte-level BPE pre-tokenizers that transformers' GGUF conversion keeps as they are: GPT-2's regex.
+_GPT2_PRE = ("default", "gpt-2", "gpt2")
+
+
+class UnsupportedTokenizerError(ValueError):
+    """A GGUF's tokenizer that Parrot cannot reproduce exactly as the model was trained with it."""
+
+
+def gguf_tokenizer_fields(gguf_path: str) -> tuple[str | None, str | None]:
+    """``tokenizer.ggml.model`` and ``tokenizer.ggml.pre`` of a GGUF file (None when absent)."""
     from gguf import GGUFReader
 
-    field = GGUFReader(gguf_path).fields.get("tokenizer.ggml.pre")
-    if field is None:
-        return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+    fields = GGUFReader(gguf_path).fields
+
+    def text(key: str) -> str | None:
+        field = fields.get(key)
+        return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
+
+    return text("tokenizer.ggml.model"), text("tokenizer.ggml.pre")
+
+
+def supported_pre_tokenizers() -> set[str]:
+    """``tokenizer.ggml.pre`` values of byte-level BPE vocabularies whose pre-tokenizer Parrot
+    reproduces: its own fixes, the splits transformers' GGUF conversion sets, and GPT-2's."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+    except ImportError:  # another transformers version: only what Parrot itself knows
+        GGUF_PRE_TOKENIZER_SPLITS = {}
+    return set(_PRE_TOKENIZER_FIXES) | set(GGUF_PRE_TOKENIZER_SPLITS) | set(_GPT2_PRE)
+
+
+def check_gguf_tokenizer(model: str | None, pre: str | None) -> None:
+    """Raise UnsupportedTokenizerError for a byte-level BPE vocabulary whose pre-tokenizer rule
+    Parrot does not know: transformers would fall back to GPT-2's regex, so text would be split
+    differently from how the model was trained (as SmolLM2's digit rule was dropped) and token
+    counts and outputs would be silently wrong. SentencePiece vocabularies (``llama``) and the
+    others transformers converts carry no such rule; transformers refuses those it cannot build."""
+    if model == "gpt2" and pre is not None and pre not in supported_pre_tokenizers():
+        raise UnsupportedTokenizerError(
+            f"the GGUF's tokenizer is byte-level BPE with tokenizer.ggml.pre = {pre!r}, a pre-tokenizer "
+            f"Parrot cannot reproduce exactly (supported: {', '.join(sorted(supported_pre_tokenizers()))}); "
+            "serve the model's Hugging Face directory (with its tokenizer.json) instead")
 
 
 @dataclass
@@ -117,9 +151,12 @@ def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
 
 def load_tokenizer(model_dir_or_id: str, gguf_file: str | None = None) -> Tokenizer:
     """Load the tokenizer of a local model directory, a GGUF file in it, or a hub id."""
+    pre = None
+    if gguf_file is not None:
+        model, pre = gguf_tokenizer_fields(os.path.join(model_dir_or_id, gguf_file))
+        check_gguf_tokenizer(model, pre)
     hf = AutoTokenizer.from_pretrained(model_dir_or_id, gguf_file=gguf_file)
     if gguf_file is not None:
-        pre = gguf_pre_tokenizer_name(os.path.join(model_dir_or_id, gguf_file))
         fix = _PRE_TOKENIZER_FIXES.get(pre or "")
         if fix is not None:
             backend = hf.backend_tokenizer
