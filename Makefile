@@ -8,7 +8,7 @@ PORT   ?= 8000
 # The stamp is rebuilt when the dependency list changes; otherwise `make install` is a no-op.
 STAMP  := $(VENV)/.parrot-installed
 
-.PHONY: install serve test fuzz bench bench-drafter bench-grammar bench-peers bench-tokenizer replay-grammar replay-sessions replay-tools survey-schemas clean
+.PHONY: install serve test fuzz soak bench bench-drafter bench-grammar bench-peers bench-tokenizer replay-grammar replay-sessions replay-tools survey-schemas clean
 
 install: $(STAMP)
 
@@ -36,6 +36,13 @@ test: install
 FUZZ_ARGS ?=
 fuzz: install
 	$(PY) -m loadtests.fuzz $(FUZZ_ARGS)
+
+# The soak (README, "Fault handling"): 1,000 mixed requests at 8-way concurrency against parrot serve on
+# the embedded model, outcomes counted, outputs compared with their sequential ones, server RSS;
+# make soak SOAK_ARGS="--requests 200" for a short one, "--url http://127.0.0.1:8000" for a running server.
+SOAK_ARGS ?=
+soak: install
+	$(PY) -m loadtests.soak $(SOAK_ARGS)
 
 bench: install
 	$(PY) -m loadtests.bench_engine
