@@ -11,7 +11,9 @@ thread owns the engine and loops:
    pass, so a long request cannot starve short ones, and long prompts are prefilled in chunks;
 4. hand each request's output to its asyncio queue with ``call_soon_threadsafe``; the handle
    keeps the finish reason and stats snapshot of the last one. A request's ``Generation`` never
-   leaves this thread: observers and routes read ``StepOutput``s and the handle.
+   leaves this thread: observers and routes read ``StepOutput``s and the handle;
+5. when nothing runs or waits any more, give the memory the finished requests freed back to the
+   OS (``release_free_memory``) before sleeping.
 
 Faults: an exception in ``Engine.step`` fails the requests of that step (their KV caches are
 dropped) and the loop goes on with the waiting ones; one in ``Engine.start`` fails that request
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import logging
 import threading
 import time
@@ -36,6 +39,21 @@ from server.engine.errors import EngineError, EngineRequestError, EngineStopped
 from server.engine.interface import FinishReason, GenerationRequest, SequenceStats, StepOutput
 
 log = logging.getLogger("parrot.scheduler")
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free memory back to the OS (glibc's ``malloc_trim``; nothing elsewhere).
+
+    A KV cache is one allocation of up to tens of MB per request. Once glibc has freed a chunk that
+    large it raises its mmap threshold past it, so later caches come from the heap, and freed heap
+    memory stays in the process. Measured with ``make soak`` (1,824 requests in three soaks on one
+    server): resident memory at idle read 667, 684 and 653 MB after each soak, 614, 618 and 618 MB
+    once trimmed, so it told neither what the server used nor whether that grew. Called when the
+    engine goes idle, where it delays no pass (trimming 300 MB of freed heap takes about 30 ms)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class QueueFull(Exception):
@@ -133,6 +151,7 @@ class Scheduler:
         self._running: list[tuple[RequestHandle, Generation]] = []
         self._cv = threading.Condition()
         self._stop = False
+        self._stepped = False  # a step ran since the heap's free memory was last released
         self._thread: threading.Thread | None = None
         self.failure: str | None = None  # why the engine loop stopped by itself, if it did
 
@@ -208,6 +227,11 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
+                idle = not (self._stop or self._waiting or self._running)
+            if idle and self._stepped:
+                self._stepped = False
+                release_free_memory()  # outside the lock: submit() does not wait for it
+            with self._cv:
                 while not self._stop and not self._waiting and not self._running:
                     self._cv.wait()
                 if self._stop:
@@ -218,6 +242,7 @@ class Scheduler:
             self._drop_cancelled()
             if self._running:
                 self._step()
+                self._stepped = True
             self._report_queue()
 
     def _admit(self) -> list[RequestHandle]:
