@@ -11,8 +11,8 @@ with SIGTERM at the end; it talks to no other host. Phases:
    of ../shared/data and JSON schemas of schemas.jsonl; unconstrained, json_schema, json_object,
    guided_choice, guided_regex; chat and completions; greedy and seeded; drafting on and off) is
    sent alone, non-streamed. Its answer is the sequential output every later copy must equal.
-2. *Warm-up*: 2 x concurrency of them at once, so that the buffers a full batch needs exist
-   before resident memory is first read.
+2. *Warm-up*: each of them once more (``--warmup``), from 8 clients, so that the memory full
+   batches of these prompts need is held before resident memory is first read.
 3. *Soak*: ``--requests`` requests from 8 (``--concurrency``) closed-loop clients, each drawn
    by ``soak_requests.plan``: malformed ones (bad JSON, wrong types, unknown parameters, ...)
    must get a 4xx in OpenAI's error shape; cancelled ones close their connection after a few
@@ -221,7 +221,7 @@ async def send(client: httpx.AsyncClient, planned: Planned, phase: str, timeout:
         record.outcome, record.error = "transport_error", f"{type(exc).__name__}: {exc}"
     except ValueError as exc:  # a stream event that is not JSON
         record.outcome, record.error = "bad_response", f"{type(exc).__name__}: {exc}"
-    record.seconds = time.perf_counter() - start
+    record.seconds = round(time.perf_counter() - start, 3)
     return record
 
 
@@ -417,13 +417,21 @@ async def run(args: argparse.Namespace, url: str, pid: int | None, process: subp
             raise RuntimeError("no valid request got a 200 from the server: nothing to soak with")
         rss["after_reference"] = rss_kb(pid)
 
-        # 2. Warm-up at full concurrency.
+        # 2. Warm-up: every pool entry once at full concurrency, half of them streamed, so that the
+        # first reading of resident memory is taken once the server has held full batches of every
+        # prompt the soak sends (glibc keeps what such batches allocated for the next ones).
         t = time.monotonic()
         by_key = {e.key: e for e in pool}
-        warm = [Planned(-10_000 - i, "complete", pool[i % len(pool)], stream=i % 2 == 1) for i in range(2 * args.concurrency)]
-        for record in await asyncio.gather(*(send(client, p, "warmup", args.timeout) for p in warm)):
-            check(record, by_key[record.kind], references[record.kind])
-            records.append(record)
+        warm = [Planned(-10_000 - i, "complete", pool[i % len(pool)], stream=i % 2 == 1)
+                for i in range(len(pool) if args.warmup is None else args.warmup)]
+
+        async def warm_loop() -> None:
+            while warm:
+                record = await send(client, warm.pop(0), "warmup", args.timeout)
+                check(record, by_key[record.kind], references[record.kind])
+                records.append(record)
+
+        await asyncio.gather(*(warm_loop() for _ in range(args.concurrency)))
         phases["warmup_s"] = time.monotonic() - t
         rss["start"] = rss_kb(pid)
         counters_before = await metrics(client)
@@ -499,6 +507,15 @@ def machine() -> dict[str, Any]:
     return {"cpu": name, "isa": isa, "cores": os.cpu_count(), "loadavg": os.getloadavg()}
 
 
+def dump(result: dict[str, Any]) -> str:
+    """JSON with one line per request and per RSS sample (indented, they would be 20 lines each)."""
+    rows = ("records", "rss_samples")
+    text = json.dumps({k: v for k, v in result.items() if k not in rows}, indent=1)[: -len("\n}")]
+    for key in rows:
+        text += f',\n "{key}": [\n  ' + ",\n  ".join(json.dumps(row) for row in result[key]) + "\n ]"
+    return text + "\n}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--url", help="a running server on this machine (default: start parrot serve on the embedded model)")
@@ -508,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
     p.add_argument("--duration", type=float, default=3600, help="seconds after which no new soak request starts")
     p.add_argument("--pool", type=int, default=96, help="distinct valid requests, each with a sequential reference")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up requests before the first RSS reading (default: --pool)")
     p.add_argument("--recheck", type=int, default=16, help="reference requests sent alone again after the soak")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-prompt-chars", type=int, default=3000, help="use only task prompts up to this length")
@@ -548,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
                   settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})
     result["summary"] = summarize(result)
     markdown = render(result)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(dump(result))
     args.out.with_suffix(".md").write_text(markdown + "\n")
     print(markdown)
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}", file=sys.stderr)

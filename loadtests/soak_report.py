@@ -91,6 +91,7 @@ def render(result: dict[str, Any]) -> str:
     lines.append("| **all** | " + " | ".join(map(str, totals)) + f" | {s['recorded']} |")
     growth = "n/a" if s["rss_growth_percent"] is None else f"{s['rss_growth_percent']:+.2f}%"
     paused = sum(p["seconds"] for p in result["pauses"])
+    warmed = sum(r["phase"] == "warmup" for r in result["records"])
     lines += ["",
               f"- Lost: {s['lost']} ({s['issued']} issued, {s['recorded']} recorded; the server counted {s['server_counted']}: "
               f"{result['server_counted']}).",
@@ -99,8 +100,8 @@ def render(result: dict[str, Any]) -> str:
               f"violations {s['constraint_violations']}.",
               f"- Unexpected 5xx or error events: {s['unexpected_5xx_or_error_events']}; other unexpected outcomes: "
               f"{s['other_unexpected']}; outside the soak: {s['other_phases']}; pool candidates refused: {len(result['pool_refused'])}.",
-              f"- Server RSS: loaded {_mb(rss['loaded'])}, after the references {_mb(rss['after_reference'])}, start (after the "
-              f"warm-up) {_mb(rss['start'])}, end {_mb(rss['end'])}: growth {growth}. During the soak: "
+              f"- Server RSS: loaded {_mb(rss['loaded'])}, after the references {_mb(rss['after_reference'])}, start (after "
+              f"the warm-up of {warmed} requests) {_mb(rss['start'])}, end {_mb(rss['end'])}: growth {growth}. During the soak: "
               f"{_mb(s['rss_soak_range_kb'][0])} to {_mb(s['rss_soak_range_kb'][1])}, median of the first tenth of "
               f"the samples {_mb(s['rss_soak_tenths_kb'][0])}, of the last tenth {_mb(s['rss_soak_tenths_kb'][1])}.",
               f"- Time: soak {phases['soak_s']:.0f} s, references {phases['reference_s']:.0f} s, warm-up {phases['warmup_s']:.0f} s, "

@@ -35,7 +35,7 @@ def soak_server(embedded_tokenizer):
 
 
 def test_a_short_soak_loses_nothing_and_every_answer_equals_its_sequential_one(soak_server):
-    args = argparse.Namespace(requests=120, concurrency=8, duration=600, pool=16, recheck=4, max_tokens=16,
+    args = argparse.Namespace(requests=120, concurrency=8, duration=600, pool=16, warmup=8, recheck=4, max_tokens=16,
                               max_prompt_chars=3000, timeout=120, seed=1, data=DATA)
     result = asyncio.run(run(args, soak_server.url, os.getpid(), None))
     result.update(server_exit=None, server_log_problems=None)
