@@ -58,6 +58,9 @@ from loadtests.soak_requests import PoolEntry, Planned, candidate_entries, plan
 
 RESULTS = Path(__file__).resolve().parent / "results"
 T = TypeVar("T")
+# Resident memory is read this long after the server went idle: its engine hands freed memory
+# back to the OS then (``Scheduler.release_free_memory``), and the reading should not race that.
+IDLE_S = 2.0
 
 
 @dataclass
@@ -415,6 +418,7 @@ async def run(args: argparse.Namespace, url: str, pid: int | None, process: subp
         phases["reference_s"] = time.monotonic() - t
         if not pool:
             raise RuntimeError("no valid request got a 200 from the server: nothing to soak with")
+        await asyncio.sleep(IDLE_S)
         rss["after_reference"] = rss_kb(pid)
 
         # 2. Warm-up: every pool entry once at full concurrency, half of them streamed, so that the
@@ -433,6 +437,7 @@ async def run(args: argparse.Namespace, url: str, pid: int | None, process: subp
 
         await asyncio.gather(*(warm_loop() for _ in range(args.concurrency)))
         phases["warmup_s"] = time.monotonic() - t
+        await asyncio.sleep(IDLE_S)
         rss["start"] = rss_kb(pid)
         counters_before = await metrics(client)
 
@@ -470,6 +475,7 @@ async def run(args: argparse.Namespace, url: str, pid: int | None, process: subp
             await asyncio.sleep(1)
         phases["settle_s"] = time.monotonic() - t
         counted = counted_requests(counters_before, await metrics(client))
+        await asyncio.sleep(IDLE_S)
         rss["end"] = rss_kb(pid)
 
         # 5. Recheck: reference requests alone again.
