@@ -118,6 +118,7 @@ def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
         scheduler = Scheduler(engine, config.server.max_running, config.server.max_queue, observers)
         state.loaded, state.engine, state.scheduler = loaded, engine, scheduler
         state.metrics.model_loaded.set(1)
+        state.metrics.kv_capacity = config.server.max_running * engine.forward.max_positions
         log.info("ready: serving %s", loaded.name)
         scheduler.run()
 

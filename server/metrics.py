@@ -6,6 +6,16 @@ Latencies are histograms in seconds: queue wait (submitted -> admitted), time to
 samples ``/v1/stats`` keeps too); a verification pass can emit several tokens at once, so an ITL
 sample is observed once per token. The ``SPECULATION_COUNTERS`` are counters named
 ``parrot_<name>_total``, added when a request finishes.
+
+Beside Parrot's own, the three gauges of the Gateway API Inference Extension's model-server
+protocol (``docs/proposals/003-model-server-protocol`` in kubernetes-sigs/gateway-api-inference-
+extension), named as vLLM and SGLang name theirs, so that an inference gateway's endpoint picker
+can route to Parrot: ``parrot:num_requests_waiting`` (TotalQueuedRequests: requests submitted and
+not yet admitted), ``parrot:num_requests_running`` (TotalRunningRequests: requests being
+generated) and ``parrot:kv_cache_usage_perc`` (KVCacheUtilization, a fraction from 0 to 1 as
+vLLM's ``kv_cache_usage_perc``). Parrot gives each running request its own KV cache, which may
+grow to the context window, so the capacity it commits is ``server.max_running`` caches of the
+context window: the gauge is the positions the running requests' caches hold over that.
 """
 
 from __future__ import annotations
@@ -39,6 +49,12 @@ class Metrics:
         self.running = Gauge("parrot_requests_running", "Requests being generated", registry=r)
         self.waiting = Gauge("parrot_requests_waiting", "Requests waiting to be admitted", registry=r)
         self.model_loaded = Gauge("parrot_model_loaded", "1 once the model is loaded", registry=r)
+        # The inference gateway's model-server protocol (module docstring).
+        self.queued = Gauge("parrot:num_requests_waiting", "Requests waiting to be admitted (TotalQueuedRequests)", registry=r)
+        self.active = Gauge("parrot:num_requests_running", "Requests being generated (TotalRunningRequests)", registry=r)
+        self.kv_usage = Gauge("parrot:kv_cache_usage_perc",
+                              "KV cache positions held over max_running context windows, 0 to 1 (KVCacheUtilization)", registry=r)
+        self.kv_capacity = 0  # positions: max_running x the context window, set once the model loads
 
     # Observer hooks (engine thread) ---------------------------------------------------------
 
@@ -63,6 +79,10 @@ class Metrics:
         for name, value in handle.stats.counters().items():
             self.speculation[name].inc(value)
 
-    def on_queue(self, waiting: int, running: int) -> None:
+    def on_queue(self, waiting: int, running: int, kv_positions: int) -> None:
         self.waiting.set(waiting)
         self.running.set(running)
+        self.queued.set(waiting)
+        self.active.set(running)
+        if self.kv_capacity:
+            self.kv_usage.set(min(1.0, kv_positions / self.kv_capacity))

@@ -125,7 +125,7 @@ class StatsCollector:
             # Every change of the counters came with an output, already added in on_output.
             self._seen.pop(id(handle), None)
 
-    def on_queue(self, waiting: int, running: int) -> None:
+    def on_queue(self, waiting: int, running: int, kv_positions: int = 0) -> None:
         with self._lock:
             self.waiting, self.running = waiting, running
             bucket = self._bucket(self.clock())
@@ -246,6 +246,6 @@ class Observers:
         for o in self.observers:
             o.on_finish(handle)
 
-    def on_queue(self, waiting: int, running: int) -> None:
+    def on_queue(self, waiting: int, running: int, kv_positions: int) -> None:
         for o in self.observers:
-            o.on_queue(waiting, running)
+            o.on_queue(waiting, running, kv_positions)

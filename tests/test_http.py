@@ -280,6 +280,36 @@ def test_metrics_parse_and_counters_move(http_server, client):
     assert _metric(url, "parrot_requests_total", endpoint="/v1/chat/completions", status="200") == requests_before + 1
 
 
+def test_inference_gateway_metrics_follow_a_running_request(http_server):
+    """The model-server protocol's gauges (server/metrics.py): queued and running requests, and
+    the KV positions held over max_running context windows, while a stream runs and after."""
+    url = http_server.url
+    types = {f.name: f.type for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+    for name in ("parrot:num_requests_waiting", "parrot:num_requests_running", "parrot:kv_cache_usage_perc"):
+        assert types.get(name) == "gauge", name
+    capacity = 8 * 8192  # server.max_running of the default config, the embedded model's window
+    prompt = "Count from one to a thousand:"
+    with httpx.stream("POST", url + "/v1/completions",
+                      json={"prompt": prompt, "max_tokens": 2000, "temperature": 0, "stream": True,
+                            "ignore_eos": True}) as r:
+        chunks = 0
+        for line in r.iter_lines():  # read while the stream is open (leaving the loop closes it)
+            chunks += line.startswith("data:")
+            if chunks == 4:
+                running = _metric(url, "parrot:num_requests_running")
+                positions = _metric(url, "parrot:kv_cache_usage_perc") * capacity
+                waiting = _metric(url, "parrot:num_requests_waiting")
+                break
+    assert running == 1 and waiting == 0
+    assert 4 <= positions <= 2000 + 20, positions  # the prompt and what was generated so far
+    for _ in range(100):  # the client left: the engine drops the request at its next step
+        if _metric(url, "parrot:num_requests_running") == 0:
+            break
+        time.sleep(0.05)
+    assert _metric(url, "parrot:num_requests_running") == 0
+    assert _metric(url, "parrot:kv_cache_usage_perc") == 0
+
+
 def test_disconnected_stream_frees_its_generation(http_server):
     url = http_server.url
     with httpx.stream("POST", url + "/v1/completions",

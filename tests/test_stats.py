@@ -187,14 +187,14 @@ def test_observers_fan_out_every_hook_in_order():
         def on_finish(self, handle):
             calls.append((self.name, "finish"))
 
-        def on_queue(self, waiting, running):
+        def on_queue(self, waiting, running, kv_positions):
             calls.append((self.name, "queue"))
 
     fan = Observers(Recorder("a"), Recorder("b"))
     fan.on_admit(None)
     fan.on_output(None, None, None)
     fan.on_finish(None)
-    fan.on_queue(0, 0)
+    fan.on_queue(0, 0, 0)
     assert calls == [(n, hook) for hook in ("admit", "output", "finish", "queue") for n in ("a", "b")]
 
 

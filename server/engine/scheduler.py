@@ -92,7 +92,7 @@ class Observer(Protocol):
     def on_admit(self, handle: RequestHandle) -> None: ...
     def on_output(self, handle: RequestHandle, output: StepOutput, latency: OutputLatency) -> None: ...
     def on_finish(self, handle: RequestHandle) -> None: ...
-    def on_queue(self, waiting: int, running: int) -> None: ...
+    def on_queue(self, waiting: int, running: int, kv_positions: int) -> None: ...
 
 
 class RequestHandle:
@@ -152,6 +152,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stop = False
         self._stepped = False  # a step ran since the heap's free memory was last released
+        self._kv_positions = 0  # positions the running requests' KV caches hold (engine thread)
         self._thread: threading.Thread | None = None
         self.failure: str | None = None  # why the engine loop stopped by itself, if it did
 
@@ -243,6 +244,7 @@ class Scheduler:
             if self._running:
                 self._step()
                 self._stepped = True
+            self._kv_positions = sum(generation.cache.length for _, generation in self._running)
             self._report_queue()
 
     def _admit(self) -> list[RequestHandle]:
@@ -318,4 +320,4 @@ class Scheduler:
 
     def _report_queue(self) -> None:
         if self.observer is not None:
-            self.observer.on_queue(len(self._waiting), len(self._running))
+            self.observer.on_queue(len(self._waiting), len(self._running), self._kv_positions)
