@@ -8,7 +8,7 @@ PORT   ?= 8000
 # The stamp is rebuilt when the dependency list changes; otherwise `make install` is a no-op.
 STAMP  := $(VENV)/.parrot-installed
 
-.PHONY: install serve test fuzz soak bench bench-drafter bench-grammar bench-peers bench-tokenizer replay-grammar replay-sessions replay-tools survey-schemas clean
+.PHONY: install serve test fuzz soak bench bench-ray bench-drafter bench-grammar bench-peers bench-tokenizer replay-grammar replay-sessions replay-tools survey-schemas clean
 
 install: $(STAMP)
 
@@ -43,6 +43,11 @@ fuzz: install
 SOAK_ARGS ?=
 soak: install
 	$(PY) -m loadtests.soak $(SOAK_ARGS)
+
+# Parrot on Ray Serve with 1 and 2 replicas beside the single-process server (README, "Scaling out on Ray").
+BENCH_RAY_ARGS ?=
+bench-ray: install
+	$(PY) -m loadtests.bench_ray $(BENCH_RAY_ARGS)
 
 bench: install
 	$(PY) -m loadtests.bench_engine

@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(serve)
     serve.add_argument("--host", default=None, help="listen address (default from config: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="listen port (default from config: 8000)")
+    serve.add_argument("--ray", action="store_true",
+                       help="serve on Ray Serve: replicas of the server behind one gateway with session affinity "
+                            "(needs the ray extra: pip install 'parrot-server[ray]'; RAY_ADDRESS names a cluster)")
+    serve.add_argument("--replicas", type=int, default=1, help="with --ray: replicas, one engine each (default 1)")
+    serve.add_argument("--max-replicas", type=int, default=None,
+                       help="with --ray: autoscale between --replicas and this many on queue depth")
 
     gen = sub.add_parser("generate", help="generate for every line of a JSONL file (the model loads once)")
     _add_common(gen)
@@ -72,8 +78,25 @@ def main(argv: list[str] | None = None) -> int:
         except (ModelNotFoundError, ModelTooLargeError) as exc:
             print(f"parrot: {exc}", file=sys.stderr)
             return 2
+        if args.ray:
+            return _serve_on_ray(config, args)
+        if args.replicas != 1 or args.max_replicas is not None:
+            print("parrot: --replicas and --max-replicas need --ray", file=sys.stderr)
+            return 2
         return serve(config)
     return generate_file(config, args)
+
+
+def _serve_on_ray(config: Config, args: argparse.Namespace) -> int:
+    if args.replicas < 1 or (args.max_replicas is not None and args.max_replicas < args.replicas):
+        print("parrot: need 1 <= --replicas <= --max-replicas", file=sys.stderr)
+        return 2
+    try:
+        from server.ray_app import run
+    except ImportError as exc:
+        print(f"parrot: --ray needs Ray Serve ({exc}); install it with: pip install 'parrot-server[ray]'", file=sys.stderr)
+        return 2
+    return run(config, args.replicas, args.max_replicas)
 
 
 def _parse_line(line: str, number: int) -> tuple[Any, list[dict[str, Any]]]:

@@ -66,7 +66,12 @@ class SessionStore:
 
 def tenant_of(http: Request, user: str | None) -> str | None:
     """The tenant a request drafts as: its API key's hash and its ``user``; None with neither."""
-    scheme, _, key = http.headers.get("authorization", "").partition(" ")
+    return tenant_key(http.headers.get("authorization", ""), user)
+
+
+def tenant_key(authorization: str, user: str | None) -> str | None:
+    """``tenant_of`` from the ``Authorization`` header's value (the Ray gateway routes by it)."""
+    scheme, _, key = authorization.partition(" ")
     key_hash = hashlib.sha256(key.strip().encode()).hexdigest() if scheme.lower() == "bearer" and key.strip() else ""
     if not key_hash and not user:
         return None
