@@ -39,6 +39,8 @@ import hashlib
 import json
 import logging
 import os
+import signal
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -306,7 +308,8 @@ def build(args: dict[str, Any]) -> serve.Application:
 
 def run(config: Config, replicas: int, max_replicas: int | None) -> int:
     """``parrot serve --ray``: a local Ray instance (or the cluster ``RAY_ADDRESS`` names), the
-    application on ``server.host:server.port``, until Ctrl-C or SIGTERM."""
+    application on ``server.host:server.port``, until Ctrl-C or SIGTERM; then Ray Serve stops the
+    replicas gracefully (each waits for its requests in flight) and the local Ray instance ends."""
     if config.model.threads == 0:  # replicas on this machine share its cores
         threads = max(1, (os.cpu_count() or 1) // replicas)
         config = _with_threads(config, threads)
@@ -315,10 +318,14 @@ def run(config: Config, replicas: int, max_replicas: int | None) -> int:
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
     log.info("Parrot on Ray Serve: %d replica(s)%s on http://%s:%d", replicas,
              f" (autoscaled up to {max_replicas})" if max_replicas else "", config.server.host, config.server.port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.run(build_app(config, replicas, max_replicas), name="parrot", route_prefix="/", blocking=True)
-    except KeyboardInterrupt:
-        pass
+        serve.run(build_app(config, replicas, max_replicas), name="parrot", route_prefix="/")
+        while not stop.wait(1):
+            pass
+        log.info("stopping: the replicas finish what they are answering (at most server.drain_timeout_s)")
     finally:
         serve.shutdown()
         ray.shutdown()
