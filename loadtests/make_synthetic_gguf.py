@@ -28,7 +28,12 @@ SHAPES = {
     "1B": (2048, 8192, 16, 32, 8),
     # the embedded model's own shape (SmolLM2-135M), for quick checks
     "135M": (576, 1536, 30, 9, 3),
+    # two layers, for tests of the loader (tests/test_gguf_families.py)
+    "tiny": (256, 512, 2, 4, 2),
 }
+ARCHS = ("llama", "qwen2")
+# Llama 3.2's rope scaling ("llama3"): factor, low and high frequency factors, original context
+LLAMA3_ROPE = (32.0, 1.0, 4.0, 8192)
 # file type: (main type, type of the "more bits" tensors and the output)
 MIXES = {
     "Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K"), "Q6_K": ("Q6_K", "Q6_K"),
@@ -84,7 +89,28 @@ def _more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def write(out: str, params: str, file_type: str, seed: int = 0) -> None:
+def llama3_rope_factors(head_dim: int, theta: float) -> np.ndarray:
+    """One factor per rotary frequency for Llama 3's rope scaling, as llama.cpp's converter writes
+    them (``rope_freqs.weight``): 1 for short wavelengths, ``factor`` for long ones, a smooth
+    blend between; a frequency is divided by its factor."""
+    factor, low, high, original = LLAMA3_ROPE
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write(out: str, params: str, file_type: str, seed: int = 0, arch: str = "llama", rope_freqs: bool = False) -> None:
+    """``arch`` "qwen2": Qwen2's architecture (q, k and v biases, rows in the checkpoint's order);
+    ``rope_freqs``: Llama 3's rope scaling as llama.cpp writes it (llama only)."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
     from server.engine.loader import resolve_source
@@ -97,8 +123,11 @@ def write(out: str, params: str, file_type: str, seed: int = 0) -> None:
     vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(seed)
 
-    writer = GGUFWriter(out, "llama")
-    writer.add_name(f"synthetic-llama-{params}-{file_type}")
+    if arch not in ARCHS or (rope_freqs and arch != "llama"):
+        raise ValueError(f"arch must be one of {ARCHS}, rope_freqs only with llama")
+    theta = 500000.0 if arch == "llama" else 1000000.0
+    writer = GGUFWriter(out, arch)
+    writer.add_name(f"synthetic-{arch}-{params}-{file_type}")
     writer.add_context_length(8192)
     writer.add_embedding_length(hidden)
     writer.add_block_count(layers)
@@ -106,7 +135,7 @@ def write(out: str, params: str, file_type: str, seed: int = 0) -> None:
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(500000.0)
+    writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     writer.add_file_type(FILE_TYPES[file_type])
@@ -123,6 +152,8 @@ def write(out: str, params: str, file_type: str, seed: int = 0) -> None:
 
     add("token_embd.weight", more_type, vocab, hidden)  # tied: also the output projection
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    if rope_freqs:
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, theta))
     for i in range(layers):
         v_and_down = more_type if _more_bits(i, layers) else main_type
         add(f"blk.{i}.attn_q.weight", main_type, heads * head_dim, hidden)
@@ -132,6 +163,9 @@ def write(out: str, params: str, file_type: str, seed: int = 0) -> None:
         add(f"blk.{i}.ffn_gate.weight", main_type, intermediate, hidden)
         add(f"blk.{i}.ffn_up.weight", main_type, intermediate, hidden)
         add(f"blk.{i}.ffn_down.weight", v_and_down, hidden, intermediate)
+        if arch == "qwen2":  # Qwen2's q, k and v biases, large enough to matter
+            for name, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim), ("attn_v", kv_heads * head_dim)):
+                writer.add_tensor(f"blk.{i}.{name}.bias", rng.normal(0, 0.5, rows).astype(np.float32))
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
     writer.write_header_to_file()
@@ -146,9 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--type", choices=sorted(MIXES), default="Q4_K_M")
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arch", choices=ARCHS, default="llama", help="qwen2: Qwen2's architecture (QKV biases)")
+    parser.add_argument("--rope-freqs", action="store_true",
+                        help="Llama 3's rope scaling, as rope_freqs.weight (Llama 3.1 and later GGUFs carry it)")
     args = parser.parse_args(argv)
     begin = time.perf_counter()
-    write(args.out, args.params, args.type, args.seed)
+    write(args.out, args.params, args.type, args.seed, args.arch, args.rope_freqs)
     print(f"wrote {args.out}: {os.path.getsize(args.out) / 1e6:.0f} MB in {time.perf_counter() - begin:.0f} s")
     return 0
 

@@ -189,6 +189,12 @@ def load_transformers(config: ModelConfig) -> tuple[ModelSource, Tokenizer, Any]
             hf_model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
     except OSError as exc:
         raise ModelNotFoundError(f"cannot load model {config.source!r}: {exc}") from exc
+    if source.gguf_file is not None:  # transformers reads no rope_freqs (Llama 3.1 and later)
+        from server.engine.quant import apply_rope_factors, gguf_rope_factors
+
+        factors = gguf_rope_factors(os.path.join(source.path, source.gguf_file))
+        if factors is not None:
+            apply_rope_factors(hf_model.model.rotary_emb, factors)
     return source, tokenizer, hf_model.to(device).eval()
 
 
@@ -320,7 +326,7 @@ def load_gguf_native(source: ModelSource, config: ModelConfig) -> LoadedModel | 
     then the transformers path loads it."""
     from transformers import AutoModelForCausalLM
 
-    from server.engine.quant import read_gguf_native
+    from server.engine.quant import apply_rope_factors, gguf_rope_factors, read_gguf_native
 
     if not _native_eligible(source, config):
         return None
@@ -341,6 +347,9 @@ def load_gguf_native(source: ModelSource, config: ModelConfig) -> LoadedModel | 
     inner = skeleton.model
     with torch.device("cpu"):  # its inverse frequencies, built for real
         inner.rotary_emb = type(inner.rotary_emb)(config=model_config)
+    factors = gguf_rope_factors(os.path.join(source.path, source.gguf_file or ""))
+    if factors is not None:
+        apply_rope_factors(inner.rotary_emb, factors)
     context_window = int(getattr(model_config, "max_position_embeddings", 0) or 4096)
     forward = LlamaForward(skeleton, context_window, blocks, activations=config.activations)
     if forward.native is None:

@@ -136,6 +136,13 @@ def _from_gguf_tensor(tensor: Any) -> BlockWeight | None:
         return BlockWeight(kind, torch.from_numpy(data.view(np.uint8).reshape(data.shape[0], -1)))
 
 
+def permuted_qk(config: Any) -> bool:
+    """Whether a GGUF's q and k rows are in llama.cpp's permuted order: its converter permutes
+    them for the LLaMA architecture (Llama, Mistral) only; a Qwen2 file keeps the checkpoint's
+    order (llama.cpp rotates it NeoX-style instead), as transformers reads both."""
+    return getattr(config, "model_type", "llama") in ("llama", "mistral")
+
+
 def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     """Row order transformers gives Llama q/k projections read from a GGUF (reverse of the permute)."""
     dim = n_rows // n_head // 2
@@ -163,7 +170,7 @@ def read_gguf_blocks(gguf_path: str, hf_model: Any) -> dict[str, BlockWeight]:
             names = ["lm_head.weight"]
         elif parts[0] == "blk" and parts[2] in _GGUF_NAMES:
             names = [f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"]
-            if parts[2] in ("attn_q", "attn_k"):
+            if parts[2] in ("attn_q", "attn_k") and permuted_qk(config):
                 heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
                 weight = weight.rows(_unpermute_rows(weight.shape[0], heads))
         else:
@@ -309,7 +316,7 @@ def read_gguf_native(gguf_path: str, config: Any) -> tuple[dict[str, BlockWeight
             continue
         elif parts[0] == "blk" and parts[2] in _GGUF_BIASES and parts[3] == "bias":
             bias = _floats(tensor)
-            if parts[2] in ("attn_q", "attn_k"):
+            if parts[2] in ("attn_q", "attn_k") and permuted_qk(config):
                 heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
                 bias = bias[_unpermute_rows(bias.shape[0], heads)]
             small[f"model.layers.{parts[1]}.{_GGUF_BIASES[parts[2]]}.bias"] = bias
@@ -324,13 +331,34 @@ def read_gguf_native(gguf_path: str, config: Any) -> tuple[dict[str, BlockWeight
         with warnings.catch_warnings():  # a read-only memory map: the kernels only read it
             warnings.simplefilter("ignore", UserWarning)
             weight = BlockWeight(kind, torch.from_numpy(tensor.data), mapped=True)
-        if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+        if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k") and permuted_qk(config):
             heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
             mapped, weight = weight, weight.rows(_unpermute_rows(weight.shape[0], heads))
             weight.private = True
             mapped.release_blocks()  # the file's pages, read once for the copy
         blocks[name] = weight
     return blocks, small
+
+
+def gguf_rope_factors(gguf_path: str) -> torch.Tensor | None:
+    """The file's ``rope_freqs.weight``, or None. Llama 3.1 and later scale RoPE ("llama3" in
+    transformers' configs); llama.cpp's converter writes that scaling as one factor per
+    frequency, which the frequency is divided by, and no metadata that transformers reads back."""
+    for tensor in gguf_tensors(gguf_path):
+        if tensor.name == "rope_freqs.weight":
+            return _floats(tensor)
+    return None
+
+
+def apply_rope_factors(rotary: Any, factors: torch.Tensor) -> None:
+    """Divide a transformers rotary module's frequencies by a GGUF's ``rope_freqs`` factors."""
+    if getattr(rotary, "rope_type", "default") != "default":
+        raise ValueError(f"rope_freqs on top of {rotary.rope_type} rope scaling")
+    if tuple(factors.shape) != tuple(rotary.inv_freq.shape):
+        raise ValueError(f"rope_freqs has {factors.numel()} factors for {rotary.inv_freq.numel()} frequencies")
+    inv_freq = rotary.inv_freq / factors.to(rotary.inv_freq)
+    rotary.inv_freq = inv_freq
+    rotary.original_inv_freq = inv_freq.clone()
 
 
 def _floats(tensor: GGUFTensor) -> torch.Tensor:
