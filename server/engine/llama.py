@@ -58,6 +58,64 @@ def native_support(hf_model: Any) -> str | None:
     return None
 
 
+class RotaryTables:
+    """transformers' default rotary embedding for a Llama-family config: the same float32
+    operations, so the same tables bit for bit, without importing transformers' modelling code
+    (about 95 MB of modules that a GGUF on the kernels does not use)."""
+
+    rope_type = "default"
+
+    def __init__(self, config: Any) -> None:
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        base = _rope_parameters(config)["rope_theta"]
+        self.inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.original_inv_freq = self.inv_freq.clone()
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    parameters.setdefault("rope_type", "default")
+    parameters.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return parameters
+
+
+def weightless_model(config: Any, small: dict[str, torch.Tensor]) -> Any:
+    """What ``LlamaForward`` reads of a transformers model, for a GGUF whose matrices are all
+    blocks: the config, shapes (meta tensors), norms and biases (``small``, by transformers'
+    parameter names) and rotary tables. None where the config scales RoPE its own way (then
+    transformers' modules are needed for the tables)."""
+    from types import SimpleNamespace as Node
+
+    if _rope_parameters(config)["rope_type"] != "default":
+        return None
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+
+    def linear(name: str, rows: int, cols: int) -> Any:
+        return Node(weight=torch.empty(rows, cols, device="meta"), bias=small.get(f"{name}.bias"), out_features=rows)
+
+    layers = []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        attn = Node(q_proj=linear(p + "self_attn.q_proj", heads * head_dim, hidden),
+                    k_proj=linear(p + "self_attn.k_proj", kv_heads * head_dim, hidden),
+                    v_proj=linear(p + "self_attn.v_proj", kv_heads * head_dim, hidden),
+                    o_proj=linear(p + "self_attn.o_proj", hidden, heads * head_dim))
+        mlp = Node(gate_proj=linear(p + "mlp.gate_proj", config.intermediate_size, hidden),
+                   up_proj=linear(p + "mlp.up_proj", config.intermediate_size, hidden),
+                   down_proj=linear(p + "mlp.down_proj", hidden, config.intermediate_size))
+        layers.append(Node(self_attn=attn, mlp=mlp, input_layernorm=Node(weight=small[p + "input_layernorm.weight"]),
+                           post_attention_layernorm=Node(weight=small[p + "post_attention_layernorm.weight"])))
+    inner = Node(embed_tokens=Node(weight=torch.empty(config.vocab_size, hidden, device="meta")), layers=layers,
+                 norm=Node(weight=small["model.norm.weight"]), rotary_emb=RotaryTables(config))
+    return Node(config=config, model=inner, lm_head=linear("lm_head", config.vocab_size, hidden))
+
+
 class PackedLinear:
     """``y = x @ W.T + b`` with the weight packed once for oneDNN on CPU (plain matmul elsewhere)."""
 

@@ -21,7 +21,7 @@ from server.config import ModelConfig
 from server.engine.hf_runner import HFForward
 from server.engine.kernels import cpu_description
 from server.engine.kernels import kernels as load_kernels
-from server.engine.llama import LlamaForward, native_support
+from server.engine.llama import LlamaForward, native_support, weightless_model
 from server.engine.paths import cache_root
 from tokenizer import Tokenizer, load_tokenizer
 
@@ -324,8 +324,6 @@ def load_gguf_native(source: ModelSource, config: ModelConfig) -> LoadedModel | 
     embedding's blocks, and a weightless transformers model supplies the config, norms and
     rotary tables. None where that does not apply (a format or shape the kernels do not run):
     then the transformers path loads it."""
-    from transformers import AutoModelForCausalLM
-
     from server.engine.quant import apply_rope_factors, gguf_rope_factors, read_gguf_native
 
     if not _native_eligible(source, config):
@@ -339,17 +337,20 @@ def load_gguf_native(source: ModelSource, config: ModelConfig) -> LoadedModel | 
     if "lm_head.weight" not in blocks and "model.embed_tokens.weight" in blocks:
         model_config.tie_word_embeddings = True  # no output.weight: the LM head is the embedding
         blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
-    with torch.device("meta"):
-        skeleton: Any = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    skeleton: Any = weightless_model(model_config, small)
+    if skeleton is None:  # a rope scaling of its own: transformers' modules compute the tables
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+        skeleton.load_state_dict(small, strict=False, assign=True)
+        with torch.device("cpu"):  # its inverse frequencies, built for real
+            skeleton.model.rotary_emb = type(skeleton.model.rotary_emb)(config=model_config)
     if native_support(skeleton) is not None:
         return None
-    skeleton.load_state_dict(small, strict=False, assign=True)
-    inner = skeleton.model
-    with torch.device("cpu"):  # its inverse frequencies, built for real
-        inner.rotary_emb = type(inner.rotary_emb)(config=model_config)
     factors = gguf_rope_factors(os.path.join(source.path, source.gguf_file or ""))
     if factors is not None:
-        apply_rope_factors(inner.rotary_emb, factors)
+        apply_rope_factors(skeleton.model.rotary_emb, factors)
     context_window = int(getattr(model_config, "max_position_embeddings", 0) or 4096)
     forward = LlamaForward(skeleton, context_window, blocks, activations=config.activations)
     if forward.native is None:
