@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from tokenizers import pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from tokenizer.budget import TokenBudget
 from tokenizer.tools import tool_messages
@@ -149,13 +149,20 @@ def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "tool_calls": calls}
 
 
-def load_tokenizer(model_dir_or_id: str, gguf_file: str | None = None) -> Tokenizer:
-    """Load the tokenizer of a local model directory, a GGUF file in it, or a hub id."""
+def load_tokenizer(model_dir_or_id: str, gguf_file: str | None = None, saved: bool = False) -> Tokenizer:
+    """Load the tokenizer of a local model directory, a GGUF file in it, or a hub id. ``saved``:
+    a directory Parrot saved a loaded tokenizer to (the GGUF conversion cache), read with the
+    fast tokenizer class it was saved from: ``AutoTokenizer`` would import the model's config
+    class, and with it transformers' modelling imports (60 MB resident: torch.distributed.tensor,
+    sympy, accelerate) that a GGUF on the kernels never uses."""
     pre = None
     if gguf_file is not None:
         model, pre = gguf_tokenizer_fields(os.path.join(model_dir_or_id, gguf_file))
         check_gguf_tokenizer(model, pre)
-    hf = AutoTokenizer.from_pretrained(model_dir_or_id, gguf_file=gguf_file)
+    if saved:
+        hf = PreTrainedTokenizerFast.from_pretrained(model_dir_or_id)
+    else:
+        hf = AutoTokenizer.from_pretrained(model_dir_or_id, gguf_file=gguf_file)
     if gguf_file is not None:
         fix = _PRE_TOKENIZER_FIXES.get(pre or "")
         if fix is not None:

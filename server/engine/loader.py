@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -295,15 +296,18 @@ def _native_eligible(source: ModelSource, config: ModelConfig) -> bool:
 
 def _gguf_tokenizer_and_config(source: ModelSource) -> tuple[Tokenizer, Any]:
     """The GGUF's tokenizer (with Parrot's fixes) and transformers config, from the cache, or
-    parsed from the file's metadata once and cached (no tensor is read)."""
+    parsed from the file's metadata once and cached (no tensor is read). From the cache the
+    config is its JSON as plain attributes: transformers' config classes import its modelling
+    stack (60 MB resident), which a GGUF on the kernels does not use."""
+    target = _conversion_dir(source)
+    if os.path.isfile(os.path.join(target, "config.json")):
+        tokenizer = load_tokenizer(target, saved=True)
+        tokenizer.name = source.display_name
+        with open(os.path.join(target, "config.json")) as f:
+            return tokenizer, SimpleNamespace(**json.load(f))
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    target = _conversion_dir(source)
-    if os.path.isfile(os.path.join(target, "config.json")):
-        tokenizer = load_tokenizer(target)
-        tokenizer.name = source.display_name
-        return tokenizer, AutoConfig.from_pretrained(target)
     tokenizer = load_tokenizer(source.path, source.gguf_file)
     values = dict(load_gguf_checkpoint(os.path.join(source.path, source.gguf_file or ""), return_tensors=False)["config"])
     config = AutoConfig.for_model(values.pop("model_type"), **values)
@@ -339,8 +343,11 @@ def load_gguf_native(source: ModelSource, config: ModelConfig) -> LoadedModel | 
         blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
     skeleton: Any = weightless_model(model_config, small)
     if skeleton is None:  # a rope scaling of its own: transformers' modules compute the tables
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
+        if isinstance(model_config, SimpleNamespace):
+            values = dict(vars(model_config))
+            model_config = AutoConfig.for_model(values.pop("model_type"), **values)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
         skeleton.load_state_dict(small, strict=False, assign=True)
