@@ -164,6 +164,23 @@ def test_q8_kernels_are_exact_products_of_the_rounded_rows(isa, kind):
 
 
 @pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("kind", sorted(k for k in FORMATS if k.upper() not in ("F32", "F16", "BF16")))
+def test_rows_from_the_packed_copy_are_the_file_rows_bit_for_bit(isa, kind):
+    # A tied embedding's token rows come from the LM head's packed copy once the file's pages
+    # are handed back: every block is rebuilt from it byte for byte, so the rows are the file's,
+    # NaN payloads included. 21 rows: three groups of 8, the last one padded.
+    w, _ = _random_blocks(kind, 21, 2 * max(FORMATS[kind][1], 64), seed=6)
+    index = torch.tensor([20, 0, 7, 8, 15, 20, 3])
+    before = kernels(isa).rows(w, index)
+    kernels(isa).pack(w)
+    assert w.packed is not None
+    only_packed = BlockWeight(kind, torch.zeros_like(w.data))  # the file's blocks gone
+    only_packed.packed = w.packed
+    after = kernels(isa).rows(only_packed, index)
+    assert torch.equal(before.view(torch.int32), after.view(torch.int32))
+
+
+@pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_rows_of_every_block_format_are_the_gguf_reference_rows(isa, kind):
     # The embedding of a tied model is read from the LM head's blocks, one token row at a time.

@@ -340,11 +340,10 @@ class LlamaForward:
             self.native = self._describe(config)
             for linear in self._linears():
                 linear.modules = None
-                # Passes read the packed copies (8-bit path): the blocks they were made from can go
-                # (a mapped file's pages come back if touched; an in-memory copy that token rows
-                # are expanded from stays).
+                # Passes read the packed copies (8-bit path), and token rows of a tied embedding
+                # are rebuilt from them too: the blocks they were made from can go.
                 for part in linear.blocks or []:
-                    if part.packed is not None and (part.mapped or part is not self._embed_weight):
+                    if part.packed is not None:
                         part.release_blocks()
             if self.native.embed_blocks:  # the tied LM head's blocks serve the embedding too
                 self.embed = None
@@ -358,6 +357,7 @@ class LlamaForward:
         if embed is None and tied and self.lm_head.blocks:
             embed = self.lm_head.blocks[0]
         self._embed_weight = embed
+        lm_head = self.lm_head.mat()  # packs it first: a tied embedding's rows come from the packed copy
         self._embed_mats = mats([embed]) if embed is not None else []
         self._layer_descs = (LayerDesc * self.num_layers)(*[
             LayerDesc(layer.qkv.mat(), layer.o.mat(), layer.gate_up.mat(), layer.down.mat(),
@@ -372,7 +372,7 @@ class LlamaForward:
             embed=None if self._embed_mats or self.embed is None else self.embed.data_ptr(),
             embed_blocks=ctypes.pointer(self._embed_mats[0]) if self._embed_mats else None,
             cos=self.cos.data_ptr(), sin=self.sin.data_ptr(),
-            final_norm=self.final_norm.data_ptr(), lm_head=self.lm_head.mat(), layers=self._layer_descs,
+            final_norm=self.final_norm.data_ptr(), lm_head=lm_head, layers=self._layer_descs,
         )
 
     def _linears(self) -> list[Linear]:

@@ -645,6 +645,109 @@ Tiles linear_kpacked(const W& w, const uint8_t* packed, const XK& x, int64_t M, 
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// The file's blocks of one weight row, rebuilt from the packed copy (the inverse of pack and
+// kpack: every bit of a block is in the copy, so the bytes come back as the file has them). A
+// tied embedding's token rows are expanded from these, so that its file pages, handed back once
+// packed, are never read again (they came back, 64 KB around each row looked up, until the
+// whole embedding was resident twice).
+template <class W>
+void unpack_row(const uint8_t* packed, int64_t K, int64_t n, uint8_t* out) {
+  using P = Pack<W>;
+  constexpr int64_t HEAD = W::MIN ? 4 : 2, QH_AT = HEAD, NIB_AT = HEAD + (W::BITS == 5 ? 4 : 0);
+  const int64_t units = K / 32, g = n / 8, r = n % 8;
+  for (int64_t b = 0; b < units; ++b) {
+    const uint8_t* o = packed + (g * units + b) * P::BYTES;
+    uint8_t* blk = out + b * W::BYTES;
+    std::memset(blk, 0, W::BYTES);
+    std::memcpy(blk, o + 2 * r, 2);
+    if constexpr (W::MIN) std::memcpy(blk + 2, o + P::M_AT + 2 * r, 2);
+    uint32_t fifth = 0;
+    for (int k = 0; k < 32; ++k) {
+      const int t = k / 4, j = k % 4;
+      if constexpr (W::BITS == 8) {
+        blk[2 + k] = o[P::Q_AT + 32 * t + 4 * r + j];
+      } else {
+        const int v = (o[P::Q_AT + 32 * (t % 4) + 4 * r + j] >> (t < 4 ? 0 : 4)) & 15;
+        blk[NIB_AT + k % 16] |= (uint8_t)(v << (k < 16 ? 0 : 4));
+        if constexpr (W::BITS == 5) fifth |= (uint32_t)((o[P::H_AT + 4 * r + j] >> t) & 1) << k;
+      }
+    }
+    if constexpr (W::BITS == 5) for (int i = 0; i < 4; ++i) blk[QH_AT + i] = (uint8_t)(fifth >> (8 * i));
+  }
+}
+
+template <class W>
+void kunpack_row(const uint8_t* packed, int64_t K, int64_t n, uint8_t* out) {
+  using P = KLayout<W>;
+  const int64_t supers = K / 256, g = n / 8, r = n % 8;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* o = packed + (g * supers + sb) * P::BYTES;
+    uint8_t* blk = out + sb * W::BYTES;
+    uint8_t values[256];
+    int scales[16], mins[16] = {0};
+    for (int b = 0; b < P::NB; ++b) {
+      for (int h = 0; h < 2; ++h) {
+        scales[2 * b + h] = o[P::SC_AT + 16 * b + 2 * r + h];
+        if constexpr (P::MIN) mins[2 * b + h] = o[P::MN_AT + 16 * b + 2 * r + h];
+      }
+      const uint8_t* v = o + P::BLK_AT + b * P::BLOCK;
+      for (int t = 0; t < P::S; ++t)
+        for (int j = 0; j < 4; ++j) {
+          int value = (v[32 * (t % (P::S / 2)) + 4 * r + j] >> (t < P::S / 2 ? 0 : 4)) & 15;
+          if constexpr (P::VB == 5) value |= ((v[P::LOW + 32 * (t / 8) + 4 * r + j] >> (t % 8)) & 1) << 4;
+          if constexpr (P::VB == 6) value |= ((v[P::LOW + 32 * (t / 4) + 4 * r + j] >> (2 * (t % 4))) & 3) << 4;
+          values[(2 * b + j / 2) * P::G + 2 * t + j % 2] = (uint8_t)value;
+        }
+    }
+    std::memset(blk, 0, W::BYTES);
+    if constexpr (P::VB == 6) {  // Q6_K: 128 bytes of low nibbles, 64 of high bits, 16 scales, d
+      for (int u = 0; u < 8; ++u) {
+        const int h = u / 4, t = u % 4;
+        for (int l = 0; l < 32; ++l) {
+          const int value = values[32 * u + l];
+          blk[64 * h + 32 * (u % 2) + l] |= (uint8_t)((value & 15) << (4 * (t / 2)));
+          blk[128 + 32 * h + l] |= (uint8_t)(((value >> 4) & 3) << (2 * t));
+        }
+      }
+      for (int i = 0; i < 16; ++i) blk[192 + i] = (uint8_t)scales[i];
+      std::memcpy(blk + 208, o + 2 * r, 2);
+    } else {  // Q4_K, Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, (5th bits), nibbles
+      std::memcpy(blk, o + 2 * r, 2);
+      std::memcpy(blk + 2, o + 16 + 2 * r, 2);
+      uint8_t* sc = blk + 4;
+      for (int u = 0; u < 4; ++u) {
+        sc[u] = (uint8_t)((scales[u] & 63) | ((scales[u + 4] >> 4) << 6));
+        sc[u + 4] = (uint8_t)((mins[u] & 63) | ((mins[u + 4] >> 4) << 6));
+        sc[u + 8] = (uint8_t)((scales[u + 4] & 15) | ((mins[u + 4] & 15) << 4));
+      }
+      const int64_t nib = P::VB == 5 ? 48 : 16;
+      for (int u = 0; u < 8; ++u)
+        for (int l = 0; l < 32; ++l) {
+          const int value = values[32 * u + l];
+          blk[nib + 32 * (u / 2) + l] |= (uint8_t)((value & 15) << (4 * (u % 2)));
+          if constexpr (P::VB == 5) blk[16 + l] |= (uint8_t)(((value >> 4) & 1) << u);
+        }
+    }
+  }
+}
+
+template <class W>
+void expand_rows(const W& w, const int64_t* rows, int64_t count, float* out);
+
+// Rows of W expanded from its packed copy: each row's blocks rebuilt, then expanded as from the file.
+template <class W, bool SUPER>
+void expand_packed_rows(const uint8_t* packed, int64_t K, const int64_t* rows, int64_t count, float* out) {
+  std::vector<uint8_t> row(K / (32 * W::UNITS) * W::BYTES);
+  const W one{{row.data(), K}};
+  const int64_t first = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    if constexpr (SUPER) kunpack_row<W>(packed, K, rows[i], row.data());
+    else unpack_row<W>(packed, K, rows[i], row.data());
+    expand_rows(one, &first, 1, out + i * K);
+  }
+}
+
 template <class W>
 void expand_rows(const W& w, const int64_t* rows, int64_t count, float* out) {
   const int64_t K = w.K;
@@ -709,6 +812,19 @@ struct Mat {
 // values): out [count, K].
 void parrot_rows(const Mat* w, const int64_t* rows, int64_t count, float* out) {
   const int64_t K = w->K;
+  if (w->packed != nullptr) {  // the file's blocks may have been handed back: read the packed copy
+    switch (w->kind) {
+      case Q4_0: return expand_packed_rows<Q4_0W, false>(w->packed, K, rows, count, out);
+      case Q4_1: return expand_packed_rows<Q4_1W, false>(w->packed, K, rows, count, out);
+      case Q5_0: return expand_packed_rows<Q5_0W, false>(w->packed, K, rows, count, out);
+      case Q5_1: return expand_packed_rows<Q5_1W, false>(w->packed, K, rows, count, out);
+      case Q8_0: return expand_packed_rows<Q8_0W, false>(w->packed, K, rows, count, out);
+      case Q4_K: return expand_packed_rows<Q4_KW, true>(w->packed, K, rows, count, out);
+      case Q5_K: return expand_packed_rows<Q5_KW, true>(w->packed, K, rows, count, out);
+      case Q6_K: return expand_packed_rows<Q6_KW, true>(w->packed, K, rows, count, out);
+      default: break;
+    }
+  }
   switch (w->kind) {
     case F32: expand_rows(F32W{{w->data, K}}, rows, count, out); break;
     case F16: expand_rows(F16W{{w->data, K}}, rows, count, out); break;
