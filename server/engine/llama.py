@@ -356,7 +356,6 @@ class LlamaForward:
         tied = getattr(config, "tie_word_embeddings", False) and self.lm_head.blocks is not None and len(self.lm_head.blocks) == 1
         if embed is None and tied and self.lm_head.blocks:
             embed = self.lm_head.blocks[0]
-        self._embed_weight = embed
         lm_head = self.lm_head.mat()  # packs it first: a tied embedding's rows come from the packed copy
         self._embed_mats = mats([embed]) if embed is not None else []
         self._layer_descs = (LayerDesc * self.num_layers)(*[

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import hashlib
 import importlib.util
@@ -23,6 +22,7 @@ from server.engine.hf_runner import HFForward
 from server.engine.kernels import cpu_description
 from server.engine.kernels import kernels as load_kernels
 from server.engine.llama import LlamaForward, native_support, weightless_model
+from server.engine.memory import release_free_memory
 from server.engine.paths import cache_root
 from tokenizer import Tokenizer, load_tokenizer
 
@@ -366,16 +366,6 @@ def load_gguf_native(source: ModelSource, config: ModelConfig) -> LoadedModel | 
                        dtype=torch.float32, backend="native", context_window=context_window, load_seconds=0.0)
 
 
-def _trim_heap() -> None:
-    """Hand the heap's free memory back to the OS (glibc's malloc_trim). Loading frees copies it
-    no longer needs (q and k rows reordered, then packed); glibc keeps such freed chunks in the
-    process unless asked: 46 MB on a 1B Q4_K_M file."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def resident_bytes() -> int:
     """This process's resident memory (VmRSS; 0 where /proc is not there)."""
     try:
@@ -408,7 +398,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         loaded = prepare(hf_model, tokenizer, source.display_name, config.backend, blocks, config.activations)
         del hf_model, blocks
     gc.collect()
-    _trim_heap()
+    release_free_memory()  # the copies loading freed
     loaded.load_seconds = time.perf_counter() - begin
     forward = loaded.forward
     if getattr(forward, "native", None) is not None:

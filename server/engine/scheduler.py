@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
 import logging
 import threading
 import time
@@ -37,23 +36,9 @@ from typing import Protocol
 from server.engine.engine import Engine, Generation
 from server.engine.errors import EngineError, EngineRequestError, EngineStopped
 from server.engine.interface import FinishReason, GenerationRequest, SequenceStats, StepOutput
+from server.engine.memory import release_free_memory
 
 log = logging.getLogger("parrot.scheduler")
-
-
-def release_free_memory() -> None:
-    """Hand the heap's free memory back to the OS (glibc's ``malloc_trim``; nothing elsewhere).
-
-    A KV cache is one allocation of up to tens of MB per request. Once glibc has freed a chunk that
-    large it raises its mmap threshold past it, so later caches come from the heap, and freed heap
-    memory stays in the process. Measured with ``make soak`` (1,824 requests in three soaks on one
-    server): resident memory at idle read 667, 684 and 653 MB after each soak, 614, 618 and 618 MB
-    once trimmed, so it told neither what the server used nor whether that grew. Called when the
-    engine goes idle, where it delays no pass (trimming 300 MB of freed heap takes about 30 ms)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 class QueueFull(Exception):
