@@ -335,6 +335,11 @@ template <class W>
 struct Pack {
   static constexpr int64_t M_AT = 16, H_AT = W::MIN ? 32 : 16, Q_AT = H_AT + (W::BITS == 5 ? 32 : 0);
   static constexpr int64_t BYTES = Q_AT + (W::BITS == 8 ? 256 : 128);
+  // Value k of row r: in byte q_byte (its low 4 bits from q_shift, or the whole byte for Q8_0);
+  // a 5-bit format's 5th bit is bit k / 4 of byte h_byte. pack writes there, unpack_row reads.
+  static int64_t q_byte(int k, int64_t r) { return Q_AT + 32 * (W::BITS == 8 ? k / 4 : k / 4 % 4) + 4 * r + k % 4; }
+  static int q_shift(int k) { return W::BITS == 8 || k / 4 < 4 ? 0 : 4; }
+  static int64_t h_byte(int k, int64_t r) { return H_AT + 4 * r + k % 4; }
 };
 
 template <class W>
@@ -352,12 +357,11 @@ void pack(const W& w, int64_t N, uint8_t* out) {
         std::memcpy(o + 2 * r, blk, 2);
         if constexpr (W::MIN) std::memcpy(o + P::M_AT + 2 * r, blk + 2, 2);
         for (int k = 0; k < 32; ++k) {
-          const int t = k / 4, j = k % 4;
           if constexpr (W::BITS == 8) {
-            o[P::Q_AT + 32 * t + 4 * r + j] = values[k];
+            o[P::q_byte(k, r)] = values[k];
           } else {
-            o[P::Q_AT + 32 * (t % 4) + 4 * r + j] |= (uint8_t)((values[k] & 15) << (t < 4 ? 0 : 4));
-            if constexpr (W::BITS == 5) o[P::H_AT + 4 * r + j] |= (uint8_t)(((values[k] >> 4) & 1) << t);
+            o[P::q_byte(k, r)] |= (uint8_t)((values[k] & 15) << P::q_shift(k));
+            if constexpr (W::BITS == 5) o[P::h_byte(k, r)] |= (uint8_t)(((values[k] >> 4) & 1) << (k / 4));
           }
         }
       }
@@ -537,6 +541,15 @@ struct KLayout {
   static constexpr int64_t SC_AT = MIN ? 32 : 16, MN_AT = SC_AT + NB * 16, BLK_AT = MN_AT + (MIN ? NB * 16 : 0);
   static constexpr int64_t LOW = S / 2 * 32, HIGH = VB == 5 ? S / 8 * 32 : VB == 6 ? S / 4 * 32 : 0;
   static constexpr int64_t BLOCK = LOW + HIGH, BYTES = BLK_AT + NB * BLOCK;
+  // Step t's byte j of row r in a pair's block holds value value_at(b, t, j) of the super-block:
+  // its low 4 bits at low_shift(t) of byte low_byte, its 5th/6th bits at high_shift(t) of byte
+  // high_byte. kpack writes there, kunpack_row reads.
+  static int value_at(int b, int t, int j) { return (2 * b + j / 2) * G + 2 * t + j % 2; }
+  static int64_t low_byte(int t, int64_t r, int j) { return 32 * (t % (S / 2)) + 4 * r + j; }
+  static int low_shift(int t) { return t < S / 2 ? 0 : 4; }
+  static int64_t high_byte(int t, int64_t r, int j) { return LOW + 32 * (VB == 5 ? t / 8 : t / 4) + 4 * r + j; }
+  static int high_shift(int t) { return VB == 5 ? t % 8 : 2 * (t % 4); }
+  static constexpr int HIGH_MASK = VB == 5 ? 1 : 3;
 };
 
 // Value k (0..255) of super-block `sb` of row n and its group's scale (and min).
@@ -574,10 +587,9 @@ void kpack(const W& w, int64_t N, uint8_t* out) {
           uint8_t* v = o + P::BLK_AT + b * P::BLOCK;
           for (int t = 0; t < P::S; ++t)
             for (int j = 0; j < 4; ++j) {
-              const int value = values[(2 * b + j / 2) * P::G + 2 * t + j % 2];
-              v[32 * (t % (P::S / 2)) + 4 * r + j] |= (uint8_t)((value & 15) << (t < P::S / 2 ? 0 : 4));
-              if constexpr (P::VB == 5) v[P::LOW + 32 * (t / 8) + 4 * r + j] |= (uint8_t)(((value >> 4) & 1) << (t % 8));
-              if constexpr (P::VB == 6) v[P::LOW + 32 * (t / 4) + 4 * r + j] |= (uint8_t)(((value >> 4) & 3) << (2 * (t % 4)));
+              const int value = values[P::value_at(b, t, j)];
+              v[P::low_byte(t, r, j)] |= (uint8_t)((value & 15) << P::low_shift(t));
+              if constexpr (P::VB != 4) v[P::high_byte(t, r, j)] |= (uint8_t)(((value >> 4) & P::HIGH_MASK) << P::high_shift(t));
             }
         }
       }
@@ -664,13 +676,12 @@ void unpack_row(const uint8_t* packed, int64_t K, int64_t n, uint8_t* out) {
     if constexpr (W::MIN) std::memcpy(blk + 2, o + P::M_AT + 2 * r, 2);
     uint32_t fifth = 0;
     for (int k = 0; k < 32; ++k) {
-      const int t = k / 4, j = k % 4;
       if constexpr (W::BITS == 8) {
-        blk[2 + k] = o[P::Q_AT + 32 * t + 4 * r + j];
+        blk[2 + k] = o[P::q_byte(k, r)];
       } else {
-        const int v = (o[P::Q_AT + 32 * (t % 4) + 4 * r + j] >> (t < 4 ? 0 : 4)) & 15;
+        const int v = (o[P::q_byte(k, r)] >> P::q_shift(k)) & 15;
         blk[NIB_AT + k % 16] |= (uint8_t)(v << (k < 16 ? 0 : 4));
-        if constexpr (W::BITS == 5) fifth |= (uint32_t)((o[P::H_AT + 4 * r + j] >> t) & 1) << k;
+        if constexpr (W::BITS == 5) fifth |= (uint32_t)((o[P::h_byte(k, r)] >> (k / 4)) & 1) << k;
       }
     }
     if constexpr (W::BITS == 5) for (int i = 0; i < 4; ++i) blk[QH_AT + i] = (uint8_t)(fifth >> (8 * i));
@@ -694,10 +705,9 @@ void kunpack_row(const uint8_t* packed, int64_t K, int64_t n, uint8_t* out) {
       const uint8_t* v = o + P::BLK_AT + b * P::BLOCK;
       for (int t = 0; t < P::S; ++t)
         for (int j = 0; j < 4; ++j) {
-          int value = (v[32 * (t % (P::S / 2)) + 4 * r + j] >> (t < P::S / 2 ? 0 : 4)) & 15;
-          if constexpr (P::VB == 5) value |= ((v[P::LOW + 32 * (t / 8) + 4 * r + j] >> (t % 8)) & 1) << 4;
-          if constexpr (P::VB == 6) value |= ((v[P::LOW + 32 * (t / 4) + 4 * r + j] >> (2 * (t % 4))) & 3) << 4;
-          values[(2 * b + j / 2) * P::G + 2 * t + j % 2] = (uint8_t)value;
+          int value = (v[P::low_byte(t, r, j)] >> P::low_shift(t)) & 15;
+          if constexpr (P::VB != 4) value |= ((v[P::high_byte(t, r, j)] >> P::high_shift(t)) & P::HIGH_MASK) << 4;
+          values[P::value_at(b, t, j)] = (uint8_t)value;
         }
     }
     std::memset(blk, 0, W::BYTES);
