@@ -18,11 +18,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.config import Config
 from server.engine.engine import Engine
-from server.engine.loader import LoadedModel
+from server.engine.loader import LoadedModel, ModelNotFoundError, ModelTooLargeError
 from server.engine.scheduler import Scheduler
 from server.errors import APIError, install_error_handlers
 from server.state import ServerState
 from server.stats import Observers
+from tokenizer.loader import UnsupportedTokenizerError
+
+# Loading errors that are a verdict on the model, not a fault: logged as their message alone.
+REFUSALS = (ModelNotFoundError, ModelTooLargeError, UnsupportedTokenizerError)
 
 log = logging.getLogger("parrot.http")
 
@@ -110,6 +114,10 @@ def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
         # the thread that first uses it, and two pools on a small machine fight each other.
         try:
             loaded, engine = build(config)
+        except REFUSALS as exc:  # a model Parrot says it cannot serve: the reason is the message
+            log.error("model refused: %s", exc)
+            state.load_error = str(exc)
+            return
         except Exception as exc:  # reported by /health and every route, not a crash
             log.exception("model failed to load")
             state.load_error = str(exc)
