@@ -61,3 +61,107 @@ def test_llama3_and_qwen2_vocabularies_get_their_own_split_rule(tmp_path, pre):
     # Llama 3 and Qwen2 split digits into runs of 1 to 3 and 1 (SmolLM2: 1), unlike GPT-2's regex.
     assert "\\p{N}" in json.dumps(rule)
     assert tokenizer.encode("hello world") == tokenizer.hf.encode("hello world", add_special_tokens=False)
+
+
+def vocabulary_gguf(path: str, model: str, tokens: list[str], types: list[int], pre: str | None = None,
+                    merges: list[str] | None = None, eos: int = 2, add_space_prefix: bool | None = None) -> str:
+    """A GGUF holding only a made-up vocabulary (token types: 1 normal, 2 unknown, 3 control, 6 byte)."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(path, "llama")
+    writer.add_tokenizer_model(model)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores([-float(i) for i in range(len(tokens))])  # earlier tokens merge first
+    if merges is not None:
+        writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(eos)
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def sentencepiece_gguf(directory: str, add_space_prefix: bool | None = None) -> str:
+    specials = ["<unk>", "<s>", "</s>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    pieces = ["▁", "H", "e", "l", "o", "w", "r", "d", "▁H", "ll", "▁He", "▁Hell", "▁Hello",
+              "▁w", "▁wo", "▁wor", "▁worl", "▁world", "▁▁", "▁▁▁"]  # space runs merge last, as in Llama 2
+    tokens = specials + byte_tokens + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    return vocabulary_gguf(os.path.join(directory, "spm.gguf"), "llama", tokens, types,
+                           add_space_prefix=add_space_prefix)
+
+
+def test_sentencepiece_vocabularies_prepend_a_space_to_every_text_as_llama_cpp_does(tmp_path):
+    # Llama 2's and Mistral's tokenizers (and llama.cpp on their GGUFs) turn ' Hello' into
+    # '▁▁Hello' -> [▁, ▁Hello]; transformers' conversion prepended only where the text did not
+    # start with a space, so leading spaces lost one '▁' (llama.cpp's ggml-vocab-llama-spm tests:
+    # 15 of 47 were wrong; `make check-vocabs` runs them all).
+    tokenizer = load_tokenizer(str(tmp_path), os.path.basename(sentencepiece_gguf(str(tmp_path))))
+    pieces = lambda text: tokenizer.hf.convert_ids_to_tokens(tokenizer.encode(text))  # noqa: E731
+    assert pieces("Hello") == ["▁Hello"]
+    assert pieces(" Hello") == ["▁", "▁Hello"]
+    assert pieces("  Hello world") == ["▁▁", "▁Hello", "▁world"]
+    assert pieces("Hello  world") == ["▁Hello", "▁", "▁world"]
+    for text in ["Hello", " Hello", "  Hello world", "Hello\nworld"]:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_a_sentencepiece_vocabulary_without_a_space_prefix_gets_none(tmp_path):
+    path = sentencepiece_gguf(str(tmp_path), add_space_prefix=False)
+    tokenizer = load_tokenizer(str(tmp_path), os.path.basename(path))
+    pieces = lambda text: tokenizer.hf.convert_ids_to_tokens(tokenizer.encode(text))  # noqa: E731
+    assert pieces(" Hello") == ["▁Hello"]
+    assert pieces("He") == ["H", "e"]
+    for text in ["Hello", " Hello world"]:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def byte_level_gguf(directory: str, pre: str) -> str:
+    from tokenizer.bpe import bytes_to_unicode
+
+    byte_chars = list(bytes_to_unicode().values())
+    words = ["ab", "abc", "<|endoftext|>", "<|im_end|>"]
+    tokens = byte_chars + words
+    types = [1] * (len(byte_chars) + 2) + [3, 3]
+    return vocabulary_gguf(os.path.join(directory, f"bytes-{pre}.gguf"), "gpt2", tokens, types, pre=pre,
+                           merges=["a b"], eos=tokens.index("<|endoftext|>"))
+
+
+@pytest.mark.parametrize("pre, whole_word", [("llama-bpe", True), ("gpt2", False)])
+def test_llama3_vocabularies_take_a_word_in_the_vocabulary_whole(tmp_path, pre, whole_word):
+    # Llama 3's tokenizer.json sets ignore_merges: a pre-tokenized word that is a token is that
+    # token even where the merges never build it ('abc' here; 'Cửa Việt' in Llama 3's vocabulary,
+    # llama.cpp's ggml-vocab-llama-bpe test). GPT-2's vocabulary merges as usual.
+    tokenizer = load_tokenizer(str(tmp_path), os.path.basename(byte_level_gguf(str(tmp_path), pre)))
+    pieces = tokenizer.hf.convert_ids_to_tokens(tokenizer.encode("abc"))
+    assert pieces == (["abc"] if whole_word else ["ab", "c"])
+    assert tokenizer.decode(tokenizer.encode("abc abc")) == "abc abc"
+
+
+def test_special_end_of_turn_tokens_end_generation_beside_eos(tmp_path):
+    # A Qwen2 GGUF's EOS is <|endoftext|> while its chat turns end with <|im_end|>.
+    tokenizer = load_tokenizer(str(tmp_path), os.path.basename(byte_level_gguf(str(tmp_path), "gpt2")))
+    names = tokenizer.hf.convert_ids_to_tokens(sorted(tokenizer.eos_token_ids))
+    assert sorted(names) == ["<|endoftext|>", "<|im_end|>"]
+
+
+def test_vocabularies_with_every_byte_lose_no_character_without_the_budget(tmp_path):
+    # /v1/tokenize reports lost characters; for a vocabulary the budget does not implement it
+    # still answers when every byte has a token (SentencePiece byte fallback here; Llama 3's and
+    # Qwen2's byte-level vocabularies likewise), and refuses where it cannot know.
+    from tokenizer.bpe import UnsupportedTokenizer
+
+    spm = load_tokenizer(str(tmp_path), os.path.basename(sentencepiece_gguf(str(tmp_path))))
+    with pytest.raises(UnsupportedTokenizer):
+        spm.budget  # noqa: B018
+    assert spm.covers_every_byte and spm.lost_characters("Hello \x04 wörld") == []
+    partial = load_tokenizer(str(tmp_path), os.path.basename(byte_level_gguf(str(tmp_path), "llama-bpe")))
+    assert partial.covers_every_byte  # all 256 byte characters are in it

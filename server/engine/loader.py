@@ -111,11 +111,17 @@ def choose_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+# Part of the conversion cache's key: raise it when what a conversion writes changes (2: the
+# tokenizer fixes for SentencePiece prefixes and ignore_merges), so that no stale copy is read.
+CONVERSION_VERSION = 2
+
+
 def _conversion_dir(source: ModelSource) -> str:
     """Where the converted copy of a GGUF goes: keyed by its path, size and modification time."""
     path = os.path.realpath(os.path.join(source.path, source.gguf_file or ""))
     stat = os.stat(path)
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    stamp = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERSION_VERSION}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
     return os.path.join(cache_root(), "converted", f"{source.display_name}-{key}")
 
 

@@ -98,7 +98,7 @@ def _prompt_encoder(body: TokenizeRequest, tokenizer: Tokenizer) -> Encoder:
 
     def encode() -> tuple[list[int], list[Any]]:
         ids = list(tokenizer.hf.encode(prompt, add_special_tokens=add_special))
-        return ids, tokenizer.budget.lost_characters(prompt)
+        return ids, tokenizer.lost_characters(prompt)
 
     return encode
 
@@ -124,7 +124,7 @@ def _chat_encoder(body: TokenizeRequest, tokenizer: Tokenizer) -> Encoder:
             raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages",
                            code="invalid_value") from None
         ids = list(tokenizer.hf.encode(rendered, add_special_tokens=bool(body.add_special_tokens)))
-        lost = [[i, offset] for i, m in enumerate(chat) for offset in tokenizer.budget.lost_characters(m["content"])]
+        lost = [[i, offset] for i, m in enumerate(chat) for offset in tokenizer.lost_characters(m["content"])]
         return ids, lost
 
     return encode
