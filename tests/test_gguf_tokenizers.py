@@ -81,6 +81,8 @@ def vocabulary_gguf(path: str, model: str, tokens: list[str], types: list[int], 
     writer.add_eos_token_id(eos)
     if add_space_prefix is not None:
         writer.add_add_space_prefix(add_space_prefix)
+    if model == "llama":
+        writer.add_add_bos_token(True)  # as Llama 2's and Mistral's files say
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -112,6 +114,8 @@ def test_sentencepiece_vocabularies_prepend_a_space_to_every_text_as_llama_cpp_d
     assert pieces("Hello  world") == ["▁Hello", "▁", "▁world"]
     for text in ["Hello", " Hello", "  Hello world", "Hello\nworld"]:
         assert tokenizer.decode(tokenizer.encode(text)) == text
+    # a completion's prompt gets the vocabulary's BOS (vLLM's add_special_tokens, llama.cpp too)
+    assert tokenizer.encode("Hello", add_special_tokens=True) == [1, *tokenizer.encode("Hello")]
 
 
 def test_a_sentencepiece_vocabulary_without_a_space_prefix_gets_none(tmp_path):
@@ -124,15 +128,14 @@ def test_a_sentencepiece_vocabulary_without_a_space_prefix_gets_none(tmp_path):
         assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
-def byte_level_gguf(directory: str, pre: str) -> str:
+def byte_level_gguf(directory: str, pre: str, specials: tuple[str, ...] = ("<|endoftext|>", "<|im_end|>")) -> str:
     from tokenizer.bpe import bytes_to_unicode
 
     byte_chars = list(bytes_to_unicode().values())
-    words = ["ab", "abc", "<|endoftext|>", "<|im_end|>"]
-    tokens = byte_chars + words
-    types = [1] * (len(byte_chars) + 2) + [3, 3]
-    return vocabulary_gguf(os.path.join(directory, f"bytes-{pre}.gguf"), "gpt2", tokens, types, pre=pre,
-                           merges=["a b"], eos=tokens.index("<|endoftext|>"))
+    tokens = [*byte_chars, "ab", "abc", *specials]
+    types = [1] * (len(byte_chars) + 2) + [3] * len(specials)
+    return vocabulary_gguf(os.path.join(directory, f"bytes-{pre}-{len(specials)}.gguf"), "gpt2", tokens, types,
+                           pre=pre, merges=["a b"], eos=tokens.index(specials[0]))
 
 
 @pytest.mark.parametrize("pre, whole_word", [("llama-bpe", True), ("gpt2", False)])
@@ -165,3 +168,19 @@ def test_vocabularies_with_every_byte_lose_no_character_without_the_budget(tmp_p
     assert spm.covers_every_byte and spm.lost_characters("Hello \x04 wörld") == []
     partial = load_tokenizer(str(tmp_path), os.path.basename(byte_level_gguf(str(tmp_path), "llama-bpe")))
     assert partial.covers_every_byte  # all 256 byte characters are in it
+
+
+def test_special_tokens_keep_the_files_ids_and_no_token_is_added(tmp_path):
+    # DeepSeek's control tokens are not ASCII: transformers spelled them as byte-level text and
+    # added them again beyond the vocabulary (EOS and BOS ids the model has no row for); and it
+    # adds <|endoftext|> to a vocabulary without one (Llama 3's), so that the text became id
+    # 128,256. Both found with llama.cpp's vocabularies (make check-vocabs).
+    specials = ("<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>")
+    path = byte_level_gguf(str(tmp_path), "llama-bpe", specials)
+    tokenizer = load_tokenizer(str(tmp_path), os.path.basename(path))
+    size = 256 + 2 + len(specials)
+    assert len(tokenizer.hf) == size and max(tokenizer.hf.added_tokens_decoder) < size
+    end = size - 2
+    assert tokenizer.encode("ab<｜end▁of▁sentence｜>") == [256, end]
+    assert tokenizer.eos_token_ids == {end}
+    assert all(t < 256 for t in tokenizer.encode("<|endoftext|>"))  # plain text here

@@ -25,6 +25,7 @@ from server.engine.llama import LlamaForward, native_support, weightless_model
 from server.engine.memory import release_free_memory
 from server.engine.paths import cache_root
 from tokenizer import Tokenizer, load_tokenizer
+from tokenizer.gguf_vocab import UnsupportedTokenizerError
 
 log = logging.getLogger("parrot.engine")
 
@@ -407,6 +408,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
     release_free_memory()  # the copies loading freed
     loaded.load_seconds = time.perf_counter() - begin
     forward = loaded.forward
+    if len(loaded.tokenizer.hf) > forward.vocab_size:  # ids the model has no row for
+        raise UnsupportedTokenizerError(
+            f"the tokenizer has {len(loaded.tokenizer.hf)} tokens and the model {forward.vocab_size} rows: "
+            "text could encode to ids the model cannot read")
     if getattr(forward, "native", None) is not None:
         kernels = f"decoding passes in the {forward.kernels.isa} kernels on GGUF blocks"
     elif getattr(forward, "attention_kernel", None) is not None:
