@@ -234,6 +234,9 @@ class CompletionRequest(_GenerationFields):
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
+    # vLLM's: the tokenizer's own special tokens around a text prompt (the BOS of Llama 2, Mistral
+    # and DeepSeek vocabularies, as llama.cpp adds it too; SmolLM2's adds none)
+    add_special_tokens: bool = True
 
     def token_limit(self) -> int | None:
         """``max_tokens``: 16 when left out (OpenAI's default), no limit when null."""

@@ -35,7 +35,7 @@ class TinyTokenizer:
         self.vocab_size = vocab_size
         self.hf = self  # the routes ask ``tokenizer.hf`` for token strings (logprobs)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:  # it has none to add
         return [ord(ch) - ord("a") + 1 for ch in text if "a" <= ch <= "z"]
 
     def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,

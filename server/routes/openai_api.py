@@ -351,7 +351,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     prompts: list[list[int]] = []
     for p in body.prompts():
         if isinstance(p, str):
-            ids = loaded.tokenizer.encode(p)
+            ids = loaded.tokenizer.encode(p, add_special_tokens=body.add_special_tokens)
         else:
             bad = [t for t in p if not 0 <= t < vocab_size]
             if bad:
