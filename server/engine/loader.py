@@ -113,8 +113,9 @@ def choose_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 # Part of the conversion cache's key: raise it when what a conversion writes changes (2: the
-# tokenizer fixes for SentencePiece prefixes and ignore_merges), so that no stale copy is read.
-CONVERSION_VERSION = 2
+# tokenizer fixes for SentencePiece prefixes and ignore_merges; 3: special tokens at the file's
+# ids), so that no stale copy is read.
+CONVERSION_VERSION = 3
 
 
 def _conversion_dir(source: ModelSource) -> str:
