@@ -66,10 +66,11 @@ def held_out_prompts(task: str, n: int) -> list[dict[str, Any]]:
 class Server:
     """A server subprocess on a loopback port, ready once its /health answers 200."""
 
-    def __init__(self, name: str, command: list[str], port: int, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, command: list[str], port: int, env: dict[str, str] | None = None,
+                 log: Path | None = None) -> None:
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
-        self.log = open(RESULTS / f"bench_peers_{name}.log", "w")
+        self.log = open(log or RESULTS / f"bench_peers_{name}.log", "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait(self, timeout: float = 600) -> None:

@@ -3,7 +3,8 @@
     python -m loadtests.make_synthetic_gguf --params 1B --type Q4_K_M --out /tmp/llama-1b-q4_k_m.gguf
 
 The shape is a published Llama-family model's (``SHAPES``: Llama 3.2 1B's layers, with the
-embedded model's vocabulary so that its tokenizer metadata, copied from the embedded GGUF, fits);
+embedded model's vocabulary so that its tokenizer metadata, copied from the embedded GGUF, fits;
+``--vocab FILE`` takes another GGUF's vocabulary and sizes the embedding for it);
 every weight block holds random values with scales chosen so that weights come out about
 N(0, 0.02) (random bytes would give random float16 scales, up to 65504). The weights mean
 nothing, so acceptance of drafts does too: use the file for plain-decoding speed, pass-cost
@@ -108,9 +109,13 @@ def llama3_rope_factors(head_dim: int, theta: float) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write(out: str, params: str, file_type: str, seed: int = 0, arch: str = "llama", rope_freqs: bool = False) -> None:
+def write(out: str, params: str, file_type: str, seed: int = 0, arch: str = "llama", rope_freqs: bool = False,
+          vocab_file: str | None = None, chat_template: str | None = None) -> None:
     """``arch`` "qwen2": Qwen2's architecture (q, k and v biases, rows in the checkpoint's order);
-    ``rope_freqs``: Llama 3's rope scaling as llama.cpp writes it (llama only)."""
+    ``rope_freqs``: Llama 3's rope scaling as llama.cpp writes it (llama only); ``vocab_file``: a
+    GGUF whose tokenizer to copy instead of the embedded model's (llama.cpp's
+    ``models/ggml-vocab-*.gguf`` carry real families' vocabularies); ``chat_template``: a Jinja
+    file to store as the tokenizer's chat template."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
     from server.engine.loader import resolve_source
@@ -118,8 +123,10 @@ def write(out: str, params: str, file_type: str, seed: int = 0, arch: str = "lla
     hidden, intermediate, layers, heads, kv_heads = SHAPES[params]
     main_type, more_type = MIXES[file_type]
     head_dim = hidden // heads
-    source = resolve_source("embedded")
-    tokenizer = GGUFReader(os.path.join(source.path, source.gguf_file or ""))
+    if vocab_file is None:
+        source = resolve_source("embedded")
+        vocab_file = os.path.join(source.path, source.gguf_file or "")
+    tokenizer = GGUFReader(vocab_file)
     vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(seed)
 
@@ -139,11 +146,14 @@ def write(out: str, params: str, file_type: str, seed: int = 0, arch: str = "lla
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     writer.add_file_type(FILE_TYPES[file_type])
-    for key, field in tokenizer.fields.items():  # the embedded model's tokenizer, as it is
-        if key.startswith("tokenizer."):
+    for key, field in tokenizer.fields.items():  # the tokenizer, as it is
+        if key.startswith("tokenizer.") and not (chat_template and key == "tokenizer.chat_template"):
             vtype = GGUFValueType(field.types[0])
             sub = GGUFValueType(field.types[1]) if vtype == GGUFValueType.ARRAY else None
             writer.add_key_value(key, field.contents(), vtype, sub)
+    if chat_template:
+        with open(chat_template, encoding="utf-8") as f:
+            writer.add_chat_template(f.read())
 
     def add(name: str, kind: str, rows: int, cols: int) -> None:
         if kind.endswith("_K") and cols % 256:  # rows a K-quant super-block does not divide: llama.cpp's fallback
@@ -183,9 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", choices=ARCHS, default="llama", help="qwen2: Qwen2's architecture (QKV biases)")
     parser.add_argument("--rope-freqs", action="store_true",
                         help="Llama 3's rope scaling, as rope_freqs.weight (Llama 3.1 and later GGUFs carry it)")
+    parser.add_argument("--vocab", metavar="GGUF",
+                        help="copy this GGUF's tokenizer instead of the embedded model's "
+                             "(e.g. llama.cpp's models/ggml-vocab-llama-bpe.gguf: Llama 3's)")
+    parser.add_argument("--chat-template", metavar="JINJA", help="store this file as the chat template")
     args = parser.parse_args(argv)
     begin = time.perf_counter()
-    write(args.out, args.params, args.type, args.seed, args.arch, args.rope_freqs)
+    write(args.out, args.params, args.type, args.seed, args.arch, args.rope_freqs, args.vocab, args.chat_template)
     print(f"wrote {args.out}: {os.path.getsize(args.out) / 1e6:.0f} MB in {time.perf_counter() - begin:.0f} s")
     return 0
 
