@@ -146,6 +146,10 @@ def test_llama3_vocabularies_take_a_word_in_the_vocabulary_whole(tmp_path, pre, 
     tokenizer = load_tokenizer(str(tmp_path), os.path.basename(byte_level_gguf(str(tmp_path), pre)))
     pieces = tokenizer.hf.convert_ids_to_tokens(tokenizer.encode("abc"))
     assert pieces == (["abc"] if whole_word else ["ab", "c"])
+    # Llama 3's begins a completion's prompt with BOS (id 1 here) though the file does not say so,
+    # as llama.cpp reads it; GPT-2's adds nothing.
+    plain = tokenizer.encode("abc")
+    assert tokenizer.encode("abc", add_special_tokens=True) == ([1, *plain] if whole_word else plain)
     assert tokenizer.decode(tokenizer.encode("abc abc")) == "abc abc"
 
 

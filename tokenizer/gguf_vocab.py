@@ -8,7 +8,7 @@ check-vocabs``) and is fixed here, after the conversion:
 - the pre-tokenizer named by ``tokenizer.ggml.pre`` is dropped for some families (SmolLM2 splits
   digits one by one before GPT-2's regex: without it ``'a  1'`` is ``a, Ġ, Ġ, 1`` instead of
   ``a, ĠĠ, 1``; DeepSeek's lists of regexes);
-- Llama 3's ``ignore_merges`` is dropped;
+- Llama 3's ``ignore_merges`` is dropped, and so is its BOS where the file does not name it;
 - SentencePiece vocabularies (Llama 2, Mistral) prepend ``▁`` only where the text does not
   start with a space;
 - control tokens whose text is not ASCII (DeepSeek's ``<｜end▁of▁sentence｜>``) are spelled as
@@ -92,6 +92,10 @@ _GPT2_PRE = ("default", "gpt-2", "gpt2")
 _IGNORE_MERGES_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
                                 "midm-2.0", "lfm2", "jina-v5-nano", "tekken"})
 
+# Vocabularies that begin every text with BOS when the file does not say (no
+# ``tokenizer.ggml.add_bos_token``), as llama.cpp reads them; transformers' conversion adds none.
+_ADD_BOS_PRE = _IGNORE_MERGES_PRE | {"chameleon"}
+
 
 class UnsupportedTokenizerError(ValueError):
     """A GGUF's tokenizer that Parrot cannot reproduce exactly as the model was trained with it."""
@@ -144,6 +148,7 @@ class GGUFVocabulary:
     model: str | None  # tokenizer.ggml.model: "gpt2" (byte-level BPE), "llama" (SentencePiece), ...
     pre: str | None  # tokenizer.ggml.pre
     add_space_prefix: bool  # tokenizer.ggml.add_space_prefix (true when absent, as llama.cpp reads it)
+    add_bos: bool | None  # tokenizer.ggml.add_bos_token (None when absent)
     tokens: list[str]
     types: list[int]
 
@@ -161,10 +166,14 @@ class GGUFVocabulary:
             field = fields.get(key)
             return [] if field is None else [field.parts[i] for i in field.data]
 
-        space = fields.get("tokenizer.ggml.add_space_prefix")
+        def flag(key: str) -> bool | None:
+            field = fields.get(key)
+            return None if field is None else bool(field.parts[field.data[0]][0])
+
+        space = flag("tokenizer.ggml.add_space_prefix")
         return cls(
             model=text("tokenizer.ggml.model"), pre=text("tokenizer.ggml.pre"),
-            add_space_prefix=True if space is None else bool(space.parts[space.data[0]][0]),
+            add_space_prefix=True if space is None else space, add_bos=flag("tokenizer.ggml.add_bos_token"),
             tokens=[bytes(part).decode("utf-8", errors="replace") for part in array("tokenizer.ggml.tokens")],
             types=[int(part[0]) for part in array("tokenizer.ggml.token_type")],
         )
@@ -179,6 +188,8 @@ def fix_gguf_tokenizer(hf: Any, vocabulary: GGUFVocabulary) -> None:
             hf.backend_tokenizer.pre_tokenizer = fix()
     if vocabulary.pre in _IGNORE_MERGES_PRE:
         hf.backend_tokenizer.model.ignore_merges = True
+    if vocabulary.add_bos is None and vocabulary.pre in _ADD_BOS_PRE:
+        hf.add_bos_token = True  # Llama 3's own tokenizer begins every text with <|begin_of_text|>
     if vocabulary.model == "llama":
         _fix_sentencepiece(hf.backend_tokenizer, vocabulary.add_space_prefix)
     _fix_added_tokens(hf, vocabulary)

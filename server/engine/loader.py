@@ -114,8 +114,8 @@ def choose_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 # Part of the conversion cache's key: raise it when what a conversion writes changes (2: the
 # tokenizer fixes for SentencePiece prefixes and ignore_merges; 3: special tokens at the file's
-# ids), so that no stale copy is read.
-CONVERSION_VERSION = 3
+# ids; 4: Llama 3's BOS), so that no stale copy is read.
+CONVERSION_VERSION = 4
 
 
 def _conversion_dir(source: ModelSource) -> str:
