@@ -188,3 +188,34 @@ def test_special_tokens_keep_the_files_ids_and_no_token_is_added(tmp_path):
     assert tokenizer.encode("ab<｜end▁of▁sentence｜>") == [256, end]
     assert tokenizer.eos_token_ids == {end}
     assert all(t < 256 for t in tokenizer.encode("<|endoftext|>"))  # plain text here
+
+
+def test_a_new_file_is_converted_in_a_child_process_and_a_refusal_comes_back(tmp_path, monkeypatch):
+    # The first load of a GGUF parses its tokenizer and config with transformers in a child
+    # process (its modelling imports would otherwise stay resident in the server), and reads the
+    # cached copy here; a tokenizer the child refuses is refused here, by name.
+    from loadtests.make_synthetic_gguf import write
+    from server.engine import loader
+
+    monkeypatch.setenv("PARROT_CACHE_DIR", str(tmp_path / "cache"))
+    children = []
+    real_run = loader.subprocess.run
+    monkeypatch.setattr(loader.subprocess, "run", lambda *a, **k: children.append(a[0]) or real_run(*a, **k))
+    write(str(tmp_path / "good.gguf"), "tiny", "Q8_0")
+    source = loader.ModelSource(str(tmp_path), "good.gguf")
+    tokenizer, config = loader._gguf_tokenizer_and_config(source)
+    assert len(children) == 1 and os.path.isfile(os.path.join(loader._conversion_dir(source), "config.json"))
+    assert config.num_hidden_layers == 2 and tokenizer.encode("a  1") == embedded_tokenizer().encode("a  1")
+    loader._gguf_tokenizer_and_config(source)  # now from the cache: no child
+    assert len(children) == 1
+
+    write(str(tmp_path / "odd.gguf"), "tiny", "Q8_0", vocab_file=tokenizer_only_gguf(str(tmp_path), "some-new-family"))
+    with pytest.raises(UnsupportedTokenizerError, match="'some-new-family'"):
+        loader._gguf_tokenizer_and_config(loader.ModelSource(str(tmp_path), "odd.gguf"))
+    assert len(children) == 2
+
+
+@lru_cache(maxsize=1)
+def embedded_tokenizer():
+    source = resolve_source("embedded")
+    return load_tokenizer(source.path, source.gguf_file)

@@ -9,6 +9,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -303,19 +305,49 @@ def _native_eligible(source: ModelSource, config: ModelConfig) -> bool:
 
 
 def _gguf_tokenizer_and_config(source: ModelSource) -> tuple[Tokenizer, Any]:
-    """The GGUF's tokenizer (with Parrot's fixes) and transformers config, from the cache, or
-    parsed from the file's metadata once and cached (no tensor is read). From the cache the
-    config is its JSON as plain attributes: transformers' config classes import its modelling
-    stack (60 MB resident), which a GGUF on the kernels does not use."""
+    """The GGUF's tokenizer (with Parrot's fixes) and transformers config, from the conversion
+    cache. From the cache the config is its JSON as plain attributes: transformers' config
+    classes and GGUF conversion import its modelling stack, which a GGUF on the kernels does not
+    use and which would stay resident (the first start of the embedded model read 522 MB against
+    413 MB for later ones). So a file not yet converted is converted in a child process
+    (:func:`convert_gguf_metadata`), and here only when the cache cannot be written."""
     target = _conversion_dir(source)
-    if os.path.isfile(os.path.join(target, "config.json")):
-        tokenizer = load_tokenizer(target, saved=True)
-        tokenizer.name = source.display_name
-        with open(os.path.join(target, "config.json")) as f:
-            return tokenizer, SimpleNamespace(**json.load(f))
+    config_path = os.path.join(target, "config.json")
+    if not os.path.isfile(config_path):
+        _convert_in_child(source)
+    if not os.path.isfile(config_path):
+        return convert_gguf_metadata(source)
+    tokenizer = load_tokenizer(target, saved=True)
+    tokenizer.name = source.display_name
+    with open(config_path) as f:
+        return tokenizer, SimpleNamespace(**json.load(f))
+
+
+def _convert_in_child(source: ModelSource) -> None:
+    """Run :func:`convert_gguf_metadata` in a child process; a refusal there is raised here with
+    its message. Any other failure is left to the conversion in this process to report."""
+    log.info("converting %s's tokenizer and config (first load; later loads read %s)",
+             source.gguf_file, _conversion_dir(source))
+    child = subprocess.run([sys.executable, "-m", "server.engine.loader", source.path, source.gguf_file or ""],
+                           capture_output=True, text=True)
+    if child.returncode == REFUSED_EXIT:
+        raise UnsupportedTokenizerError(child.stdout.strip().splitlines()[-1] if child.stdout.strip() else "refused")
+    if child.returncode != 0:
+        log.warning("converting in a child process failed (exit %d); converting here: %s",
+                    child.returncode, child.stderr.strip()[-500:])
+
+
+# Exit status of the conversion child when Parrot refuses the tokenizer (its message on stdout)
+REFUSED_EXIT = 3
+
+
+def convert_gguf_metadata(source: ModelSource) -> tuple[Tokenizer, Any]:
+    """Parse the GGUF's tokenizer and config with transformers (no tensor is read) and save them
+    in the conversion cache (atomically: a half-written copy is never read)."""
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    target = _conversion_dir(source)
     tokenizer = load_tokenizer(source.path, source.gguf_file)
     values = dict(load_gguf_checkpoint(os.path.join(source.path, source.gguf_file or ""), return_tensors=False)["config"])
     config = AutoConfig.for_model(values.pop("model_type"), **values)
@@ -427,3 +459,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
     log.info("resident memory %.0f MB (%.0f MB before loading%s)", resident_bytes() / 2**20, baseline / 2**20,
              f"; GGUF file {gguf_size / 2**20:.0f} MB" if gguf_size else "")
     return loaded
+
+
+if __name__ == "__main__":  # the conversion child: python -m server.engine.loader DIRECTORY GGUF_FILE
+    try:
+        convert_gguf_metadata(ModelSource(sys.argv[1], sys.argv[2]))
+    except UnsupportedTokenizerError as exc:
+        print(exc)
+        sys.exit(REFUSED_EXIT)
