@@ -61,3 +61,21 @@ def test_a_gguf_loaded_onto_the_kernels_computes_what_the_transformers_path_does
         cache = forward.new_cache(128)
         results.append(torch.cat([forward.forward([(cache, ids[:80], 2)])[0], forward.forward([(cache, ids[80:], 10)])[0]]))
     assert torch.equal(results[0], results[1])
+
+
+def test_a_second_conversion_into_the_same_cache_directory_lands_beside_the_first(tmp_path):
+    # The kernels' tokenizer-and-config conversion and transformers' full-model conversion of one
+    # file share a cache directory; the second used to fail on the first's ("directory not
+    # empty") and so converted again on every load.
+    from server.engine.loader import _publish
+
+    target = tmp_path / "converted"
+    for name, files in (("first", ["config.json", "tokenizer.json"]), ("second", ["model.safetensors", "config.json"])):
+        staging = tmp_path / f".converting-{name}"
+        staging.mkdir()
+        for file in files:
+            (staging / file).write_text(name)
+        _publish(str(staging), str(target), last=files[0])
+        assert not staging.exists()
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (target / "model.safetensors").read_text() == "second" and (target / "tokenizer.json").read_text() == "first"

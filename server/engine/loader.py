@@ -129,6 +129,20 @@ def _conversion_dir(source: ModelSource) -> str:
     return os.path.join(cache_root(), "converted", f"{source.display_name}-{key}")
 
 
+def _publish(staging: str, target: str, last: str) -> None:
+    """Move a conversion from ``staging`` into the cache at ``target``: the whole directory where
+    there is none yet, else file by file with ``last`` (the file whose presence means "done")
+    moved last. Both conversions (the kernels' tokenizer and config, transformers' full model)
+    share one directory per file, and whichever runs second must not fail on the first's."""
+    if not os.path.isdir(target):
+        os.replace(staging, target)
+        return
+    names = sorted(os.listdir(staging), key=lambda name: name == last)
+    for name in names:
+        os.replace(os.path.join(staging, name), os.path.join(target, name))
+    shutil.rmtree(staging, ignore_errors=True)
+
+
 def _load_gguf_converted(source: ModelSource, dtype: torch.dtype) -> tuple[Tokenizer, Any]:
     """Load a GGUF through a converted copy (safetensors + fixed tokenizer) kept in the cache.
 
@@ -158,7 +172,7 @@ def _load_gguf_converted(source: ModelSource, dtype: torch.dtype) -> tuple[Token
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(config, f)
         tokenizer.hf.save_pretrained(staging)
-        os.replace(staging, target)
+        _publish(staging, target, last="model.safetensors")
     except OSError as exc:
         log.warning("could not cache the converted model in %s (%s); the next load converts again", target, exc)
         if staging is not None:
@@ -356,7 +370,7 @@ def convert_gguf_metadata(source: ModelSource) -> tuple[Tokenizer, Any]:
         staging = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".converting-")
         config.save_pretrained(staging)
         tokenizer.hf.save_pretrained(staging)
-        os.replace(staging, target)
+        _publish(staging, target, last="config.json")
     except OSError as exc:
         log.warning("could not cache the tokenizer and config in %s (%s)", target, exc)
     return tokenizer, config
