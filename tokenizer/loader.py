@@ -16,7 +16,7 @@ from tokenizer.budget import TokenBudget
 from tokenizer.gguf_vocab import GGUFVocabulary, UnsupportedTokenizerError, check_gguf_tokenizer, fix_gguf_tokenizer
 from tokenizer.tools import tool_messages
 
-__all__ = ["END_OF_TURN_TOKENS", "Tokenizer", "UnsupportedTokenizerError", "load_tokenizer"]
+__all__ = ["END_OF_TURN_TOKENS", "TokenId", "Tokenizer", "UnsupportedTokenizerError", "load_tokenizer"]
 
 TokenId = int
 

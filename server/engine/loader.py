@@ -382,7 +382,7 @@ def load_gguf_native(source: ModelSource, config: ModelConfig) -> LoadedModel | 
     embedding's blocks, and a weightless transformers model supplies the config, norms and
     rotary tables. None where that does not apply (a format or shape the kernels do not run):
     then the transformers path loads it."""
-    from server.engine.quant import apply_rope_factors, gguf_rope_factors, read_gguf_native
+    from server.engine.quant import ROPE_FACTORS, apply_rope_factors, read_gguf_native
 
     if not _native_eligible(source, config):
         return None
@@ -395,6 +395,7 @@ def load_gguf_native(source: ModelSource, config: ModelConfig) -> LoadedModel | 
     if "lm_head.weight" not in blocks and "model.embed_tokens.weight" in blocks:
         model_config.tie_word_embeddings = True  # no output.weight: the LM head is the embedding
         blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
+    factors = small.pop(ROPE_FACTORS, None)
     skeleton: Any = weightless_model(model_config, small)
     if skeleton is None:  # a rope scaling of its own: transformers' modules compute the tables
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -409,7 +410,6 @@ def load_gguf_native(source: ModelSource, config: ModelConfig) -> LoadedModel | 
             skeleton.model.rotary_emb = type(skeleton.model.rotary_emb)(config=model_config)
     if native_support(skeleton) is not None:
         return None
-    factors = gguf_rope_factors(os.path.join(source.path, source.gguf_file or ""))
     if factors is not None:
         apply_rope_factors(skeleton.model.rotary_emb, factors)
     context_window = int(getattr(model_config, "max_position_embeddings", 0) or 4096)

@@ -206,6 +206,9 @@ def load_blocks(path: str) -> dict[str, BlockWeight]:
     return blocks
 
 
+# read_gguf_native's key for the file's rope_freqs.weight (no transformers parameter holds it)
+ROPE_FACTORS = "rope_freqs.weight"
+
 # Small float tensors of a Llama GGUF, under transformers' names (the rest are block matrices).
 _GGUF_SMALL = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _GGUF_BIASES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj"}
@@ -299,7 +302,7 @@ def read_gguf_native(gguf_path: str, config: Any) -> tuple[dict[str, BlockWeight
     """A Llama-architecture GGUF read for the compiled kernels without any float32 copy of its
     matrices: (block matrices under transformers' names, views of the memory-mapped file except
     the q and k projections, whose rows are put in transformers' order; the norms and biases as
-    float32 tensors). Raises ValueError for a matrix in a format the kernels do not run."""
+    float32 tensors, and the RoPE factors under ``ROPE_FACTORS`` if the file has them). Raises ValueError for a matrix in a format the kernels do not run."""
     blocks: dict[str, BlockWeight] = {}
     small: dict[str, torch.Tensor] = {}
     for tensor in gguf_tensors(gguf_path):
@@ -310,6 +313,9 @@ def read_gguf_native(gguf_path: str, config: Any) -> tuple[dict[str, BlockWeight
             name = "lm_head.weight"
         elif tensor.name == "output_norm.weight":
             small["model.norm.weight"] = _floats(tensor)
+            continue
+        elif tensor.name == "rope_freqs.weight":  # see gguf_rope_factors
+            small[ROPE_FACTORS] = _floats(tensor)
             continue
         elif parts[0] == "blk" and parts[2] in _GGUF_SMALL and parts[3] == "weight":
             small[f"model.layers.{parts[1]}.{_GGUF_SMALL[parts[2]]}.weight"] = _floats(tensor)
