@@ -94,6 +94,25 @@ def test_block_kernel_rows_do_not_depend_on_the_rest_of_the_batch(isa, make):
 
 
 @pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("q8", [False, True])
+def test_block_kernel_results_do_not_depend_on_the_number_of_threads(isa, q8):
+    # A layer's tiles are split into pieces the threads claim as they come free: which thread
+    # computes a tile, and how many threads there are, must not change a bit of it.
+    parts = [_random_q4_1(200, 1536, seed=5), _random_q8_0(72, 1536, seed=6), _random_blocks("q4_k", 40, 1536, 7)[0]]
+    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(8))
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(kernels(isa).linear(x, parts, q8=q8))
+    finally:
+        torch.set_num_threads(before)
+    assert results[0].isfinite().any()
+    assert all(torch.equal(r.view(torch.int32), results[0].view(torch.int32)) for r in results[1:])  # NaNs of random blocks too
+
+
+@pytest.mark.parametrize("isa", available_isas())
 def test_a_layer_of_parts_in_different_formats_equals_its_parts(isa):
     # Q4_K_M files fuse q and k in Q4_K with v in Q6_K, say: one call over the parts must give
     # each part's own outputs, side by side, with each part's slice of the bias.

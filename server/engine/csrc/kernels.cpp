@@ -883,6 +883,8 @@ void parrot_pack(const Mat* w, uint8_t* out) {
   }
 }
 
+constexpr int64_t PIECES = 4;
+
 // y = x @ W^T (+ bias) for x [M, K]; y [M, total N of the parts]. `q8`: quantise x to 8 bits
 // for the parts that have the 8-bit path (the K-quant formats, and the 32-weight formats given
 // their packed copy); 0: float32 throughout.
@@ -922,17 +924,19 @@ void parrot_linear(const Mat* w, const float* x, int64_t M, float* y, int thread
     total += added.count * bytes.back();
   }
   // One job over every part's tiles (a layer of several parts costs one hand-off to the
-  // threads), split by the bytes of weights each thread reads: parts in different formats (a
-  // Q4_K_M file's q, k and v) cost different amounts per tile.
-  const int64_t workers = std::max(1, threads);
-  pool(threads).parallel_for(workers, [&](int64_t id) {
-    const int64_t lo = total * id / workers, hi = total * (id + 1) / workers;
+  // threads), split into pieces of equal bytes of weights: parts in different formats (a Q4_K_M
+  // file's q, k and v) cost different amounts per tile. PIECES per thread, claimed as the threads
+  // come free: with one piece each, the thread that started later or read slower memory kept the
+  // other waiting at the end of every layer.
+  const int64_t pieces = std::max(1, threads) * PIECES;
+  pool(threads).parallel_for(pieces, [&](int64_t id) {
+    const int64_t lo = total * id / pieces, hi = total * (id + 1) / pieces;
     for (size_t i = 0; i < parts.size(); ++i) {
       // Tile t of part i starts at first[i] + t bytes[i]; it is this thread's if that is in [lo, hi).
       const auto from = [&](int64_t at) { return std::clamp<int64_t>((at - first[i] + bytes[i] - 1) / bytes[i], 0, parts[i].count); };
       for (int64_t t = from(lo), end = from(hi); t < end; ++t) parts[i].run(t);
     }
-  });
+  }, pieces);
   offset = 0;
   for (const Mat* p = w; p != nullptr; offset += p->N, p = p->next)
     if (p->bias != nullptr)
@@ -968,6 +972,21 @@ namespace {
 
 constexpr int64_t CHUNK = 256;
 
+// The cache is read from memory once per pass (a one-token pass reads each layer's keys and
+// values once), in short streams (a chunk of one head) that the hardware prefetcher picked up
+// late: a one-token pass spent most of its attention time waiting on the first value rows of
+// each chunk (perf, AVX2 EPYC). So the first rows through a chunk fetch ahead: scoring fetches
+// the keys KEYS_AHEAD rows on and the value rows it passes (into L2: a chunk's values are as
+// large as L1), and summing the values fetches the keys of the thread's next item. A one-token
+// pass of the embedded model at 1,000 positions: 7-8% faster; an 8-token pass 6%.
+constexpr int64_t KEYS_AHEAD = 16;
+inline void fetch_ahead(const void* keys, const void* values, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) {
+    __builtin_prefetch(static_cast<const char*>(keys) + o);
+    if (values != nullptr) __builtin_prefetch(static_cast<const char*>(values) + o, 0, 2);
+  }
+}
+
 inline bytes::G kv8(const float* p) { return bytes::gload(p); }
 inline bytes::G kv8(const uint16_t* p) { return bytes::ghalf8((const uint8_t*)p); }
 
@@ -975,12 +994,13 @@ inline bytes::G kv8(const uint16_t* p) { return bytes::ghalf8((const uint8_t*)p)
 // (keys, D apart), into scores (CHUNK apart per row). KB keys at a time; a last partial group
 // repeats key m - 1 (each score depends on its own row and key only; the extra ones are dropped).
 template <int C8, int RB, class T>
-inline void score_block(const float* qs, const T* keys, int64_t m, float* scores) {
+inline void score_block(const float* qs, const T* keys, int64_t m, float* scores, const T* values) {
   using namespace bytes;
   constexpr int D = 8 * C8, KB = RB <= 3 ? 4 : 2;
   for (int64_t j0 = 0; j0 < m; j0 += KB) {
     const T* kp[KB];
     for (int k = 0; k < KB; ++k) kp[k] = keys + std::min(j0 + k, m - 1) * D;
+    if (values != nullptr) fetch_ahead(keys + (j0 + KEYS_AHEAD) * D, values + j0 * D, KB * D * sizeof(T));
     G acc[RB][KB];
     for (int r = 0; r < RB; ++r)
       for (int k = 0; k < KB; ++k) acc[r][k] = gzero();
@@ -1005,7 +1025,7 @@ inline void score_block(const float* qs, const T* keys, int64_t m, float* scores
 // sums at part + r (D + 2) + 2): VS 8-lane slices of the head dimension at a time, held in
 // registers for all m keys.
 template <int C8, int RB, class T>
-inline void value_block(const float* scores, const T* values, int64_t m, float* part) {
+inline void value_block(const float* scores, const T* values, int64_t m, float* part, const T* next_keys) {
   using namespace bytes;
   constexpr int D = 8 * C8, VS0 = RB <= 3 ? 4 : 2, VS = VS0 < C8 ? VS0 : C8;
   for (int c0 = 0; c0 < C8; c0 += VS) {
@@ -1013,6 +1033,7 @@ inline void value_block(const float* scores, const T* values, int64_t m, float* 
     for (int r = 0; r < RB; ++r)
       for (int c = 0; c < VS; ++c) o[r][c] = gzero();
     for (int64_t j = 0; j < m; ++j) {
+      if (next_keys != nullptr && c0 == 0) fetch_ahead(next_keys + j * D, nullptr, D * sizeof(T));
       G p[RB];
       for (int r = 0; r < RB; ++r) p[r] = gset1(scores[r * CHUNK + j]);
       for (int c = 0; c < VS; ++c) {
@@ -1030,7 +1051,7 @@ inline void value_block(const float* scores, const T* values, int64_t m, float* 
 // max = -inf when the row sees none of the chunk.
 template <int C8, class T>
 void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const T* keys,
-           const T* values, int64_t c0, int64_t c1, float* scores, float* part) {
+           const T* values, int64_t c0, int64_t c1, float* scores, float* part, const T* next_keys) {
   constexpr int D = 8 * C8;
   const int64_t S = c1 - c0;
   const T* k0 = keys + c0 * D;
@@ -1045,11 +1066,12 @@ void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const T*
         continue;
       }
       float* sr = scores + r * CHUNK;
+      const bool first = t == 0 && g0 == 0;  // the first rows through the chunk fetch it (the rest find it in cache)
       switch (rb) {
-        case 1: score_block<C8, 1, T>(qs + r * D, k0, seen, sr); break;
-        case 2: score_block<C8, 2, T>(qs + r * D, k0, seen, sr); break;
-        case 3: score_block<C8, 3, T>(qs + r * D, k0, seen, sr); break;
-        default: score_block<C8, 4, T>(qs + r * D, k0, seen, sr); break;
+        case 1: score_block<C8, 1, T>(qs + r * D, k0, seen, sr, first ? v0 : nullptr); break;
+        case 2: score_block<C8, 2, T>(qs + r * D, k0, seen, sr, first ? v0 : nullptr); break;
+        case 3: score_block<C8, 3, T>(qs + r * D, k0, seen, sr, first ? v0 : nullptr); break;
+        default: score_block<C8, 4, T>(qs + r * D, k0, seen, sr, first ? v0 : nullptr); break;
       }
       // Softmax pieces per row over its seen keys; a partial last vector is padded with -inf.
       for (int64_t i = 0; i < rb; ++i) {
@@ -1079,17 +1101,17 @@ void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const T*
         pr[i * (D + 2) + 1] = hsum(total);
       }
       switch (rb) {
-        case 1: value_block<C8, 1, T>(sr, v0, seen, pr); break;
-        case 2: value_block<C8, 2, T>(sr, v0, seen, pr); break;
-        case 3: value_block<C8, 3, T>(sr, v0, seen, pr); break;
-        default: value_block<C8, 4, T>(sr, v0, seen, pr); break;
+        case 1: value_block<C8, 1, T>(sr, v0, seen, pr, first ? next_keys : nullptr); break;
+        case 2: value_block<C8, 2, T>(sr, v0, seen, pr, first ? next_keys : nullptr); break;
+        case 3: value_block<C8, 3, T>(sr, v0, seen, pr, first ? next_keys : nullptr); break;
+        default: value_block<C8, 4, T>(sr, v0, seen, pr, first ? next_keys : nullptr); break;
       }
     }
   }
 }
 
 template <class T>
-using ChunkFn = void (*)(const float*, int64_t, int64_t, const int64_t*, const T*, const T*, int64_t, int64_t, float*, float*);
+using ChunkFn = void (*)(const float*, int64_t, int64_t, const int64_t*, const T*, const T*, int64_t, int64_t, float*, float*, const T*);
 
 template <class T>
 ChunkFn<T> pick(int64_t D) {
@@ -1121,10 +1143,14 @@ void attention(const float* q, int64_t n, int64_t heads, int64_t D, const T* k, 
         qs[((h / G) * R + t * G + h % G) * D + d] = q[(t * heads + h) * D + d] * scale;
   const int64_t items = kv_heads * chunks;
   std::vector<float> scores(items * R * CHUNK);  // each item's own scratch
+  // A thread takes items in order (contiguous shares): while it sums an item's values it fetches
+  // the keys of the next one, which would otherwise wait on memory when its scoring starts.
+  const auto keys_of = [&](int64_t i) { return k + (i / chunks) * capacity * D + (i % chunks) * CHUNK * D; };
   pool(threads).parallel_for(items, [&](int64_t i) {
     const int64_t h = i / chunks, c = i % chunks;
     fn(qs.data() + h * R * D, n, G, limit.data(), k + h * capacity * D, v + h * capacity * D,
-       c * CHUNK, std::min((c + 1) * CHUNK, end), scores.data() + i * R * CHUNK, part.data() + i * R * (D + 2));
+       c * CHUNK, std::min((c + 1) * CHUNK, end), scores.data() + i * R * CHUNK, part.data() + i * R * (D + 2),
+       i + 1 < items ? keys_of(i + 1) : nullptr);
   });
   // Merge each row's chunks in order.
   std::vector<float> acc(D);

@@ -9,15 +9,18 @@
 // Short: between passes the engine's Python and the HTTP thread need the core (with 0.2 ms of
 // spinning, a served token took 14 ms against 11 with 30 us, AVX2 machine).
 //
-// parallel_for(count, f) calls f(i) for i in [0, count), split into contiguous equal shares, one
-// per thread. The caller runs the first share, then any share no worker has claimed yet: a worker
-// that the OS has not scheduled (a busy neighbour process holds its core, or it sleeps and wakes
-// late) never holds the pass up. Waiting for it instead made an 8-token pass take 0.58 s against
+// parallel_for(count, f, shares) calls f(i) for i in [0, count), split into `shares` contiguous
+// equal shares (default: one per thread) that the threads claim in order, each taking the next
+// unclaimed one when done with its last. The caller runs the first share, then claims like the
+// workers: a worker that the OS has not scheduled (a busy neighbour process holds its core, or it
+// sleeps and wakes late) never holds the pass up, and with more shares than threads a thread that
+// started late or reads slower memory takes fewer of them instead of keeping the others waiting. Waiting for it instead made an 8-token pass take 0.58 s against
 // 0.02 s while a niced process kept one of 2 cores busy. Which thread runs a share never changes a
 // result here: every kernel writes each output from its own fixed sequence of operations.
 
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -46,7 +49,8 @@ class Pool {
   int threads() const { return threads_; }
 
   template <class F>
-  void parallel_for(int64_t count, F&& f) {
+  void parallel_for(int64_t count, F&& f, int64_t shares = 0) {
+    shares = std::min<int64_t>(std::max<int64_t>(shares > 0 ? shares : threads_, 1), std::min<int64_t>(count, 0xffff));
     if (threads_ == 1 || count <= 1) {
       for (int64_t i = 0; i < count; ++i) f(i);
       return;
@@ -58,27 +62,28 @@ class Pool {
       return;
     }
     auto share = [&](int64_t id) {
-      const int64_t begin = count * id / threads_, end = count * (id + 1) / threads_;
+      const int64_t begin = count * id / shares, end = count * (id + 1) / shares;
       for (int64_t i = begin; i < end; ++i) f(i);
     };
     job_ = [](void* ctx, int64_t id) { (*static_cast<decltype(share)*>(ctx))(id); };
     ctx_ = &share;
     done_.store(0, std::memory_order_relaxed);
-    // Publish the job: its epoch in the high bits, the next unclaimed share (1) in the low ones.
-    const uint64_t epoch = (claim_.load(std::memory_order_relaxed) >> 16) + 1;
-    claim_.store(epoch << 16 | 1, std::memory_order_release);
+    // Publish the job: its epoch in the high bits, then its number of shares, then the next
+    // unclaimed share (1), so that a claim always compares against its own job's count.
+    const uint64_t epoch = (claim_.load(std::memory_order_relaxed) >> 32) + 1;
+    claim_.store(epoch << 32 | (uint64_t)shares << 16 | 1, std::memory_order_release);
     claim_.notify_all();  // a system call only when a worker sleeps
     share(0);
     int64_t mine = 0;  // shares after the first that this thread ran
     for (int64_t id; (id = claim(epoch)) >= 0; ++mine) share(id);
-    while (done_.load(std::memory_order_acquire) != threads_ - 1 - mine) cpu_relax();
+    while (done_.load(std::memory_order_acquire) != shares - 1 - mine) cpu_relax();
   }
 
  private:
   // The next unclaimed share of job `epoch` for the calling thread, or -1 when none is left.
   int64_t claim(uint64_t epoch) {
     uint64_t now = claim_.load(std::memory_order_acquire);
-    while ((now >> 16) == epoch && (int64_t)(now & 0xffff) < threads_) {
+    while ((now >> 32) == epoch && (now & 0xffff) < ((now >> 16) & 0xffff)) {
       if (claim_.compare_exchange_weak(now, now + 1, std::memory_order_acq_rel)) return (int64_t)(now & 0xffff);
     }
     return -1;
@@ -89,7 +94,7 @@ class Pool {
     for (;;) {
       uint64_t now = claim_.load(std::memory_order_acquire);
       const auto start = std::chrono::steady_clock::now();
-      for (int spins = 0; (now >> 16) == seen; now = claim_.load(std::memory_order_acquire)) {
+      for (int spins = 0; (now >> 32) == seen; now = claim_.load(std::memory_order_acquire)) {
         if (++spins % 256 == 0 &&
             std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(SPIN_NS)) {
           claim_.wait(now, std::memory_order_acquire);  // sleep until the next job
@@ -97,7 +102,7 @@ class Pool {
           cpu_relax();
         }
       }
-      seen = now >> 16;
+      seen = now >> 32;
       // job_ and ctx_ belong to epoch `seen` while one of its shares is claimed and not done:
       // the caller does not start the next job before every share is done.
       for (int64_t id; (id = claim(seen)) >= 0;) {
@@ -110,7 +115,7 @@ class Pool {
   const int threads_;
   std::vector<std::thread> workers_;
   std::mutex busy_;
-  std::atomic<uint64_t> claim_{0};  // epoch << 16 | next unclaimed share
+  std::atomic<uint64_t> claim_{0};  // epoch << 32 | shares << 16 | next unclaimed share
   std::atomic<int64_t> done_{0};     // shares done by workers in this epoch
   void (*job_)(void*, int64_t) = nullptr;
   void* ctx_ = nullptr;
