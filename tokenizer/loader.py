@@ -53,6 +53,39 @@ class Tokenizer:
         return text
 
     @property
+    def decodes_incrementally(self) -> bool:
+        """Whether generated text may be decoded a window of tokens at a time
+        (server/engine/textout.py): not where transformers cleans up spaces around punctuation
+        after decoding (WordPiece-era tokenizers), which can reach across any cut."""
+        return not getattr(self.hf, "clean_up_tokenization_spaces", False)
+
+    def text_may_change(self, ids: Sequence[TokenId]) -> bool:
+        """Whether the next token can change text ``ids`` already decode to (other than a last
+        incomplete UTF-8 character, which decodes to U+FFFD): with byte fallback (SentencePiece
+        vocabularies), a run of <0xXX> tokens is decoded as one UTF-8 text, and every byte of an
+        invalid run becomes U+FFFD, so '1' (<0x31>) followed by <0x80> decodes to two U+FFFD.
+        True while the last token that is not a skipped special token is a byte token."""
+        byte_tokens, specials = self._byte_tokens()
+        for token in reversed(ids):
+            if token not in specials:
+                return token in byte_tokens
+        return False
+
+    def _byte_tokens(self) -> tuple[frozenset[TokenId], frozenset[TokenId]]:
+        cached = self.__dict__.get("_byte_token_ids")
+        if cached is None:
+            backend = getattr(self.hf, "backend_tokenizer", None)
+            byte_tokens: frozenset[TokenId] = frozenset()
+            if backend is not None and getattr(backend.model, "byte_fallback", False):
+                ids = (self.hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256))
+                byte_tokens = frozenset(i for i in ids if isinstance(i, int) and i != self.hf.unk_token_id)
+            specials = frozenset(getattr(self.hf, "all_special_ids", ()))
+            if backend is not None:
+                specials |= frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+            cached = self.__dict__["_byte_token_ids"] = (byte_tokens, specials)
+        return cached
+
+    @property
     def supports_tools(self) -> bool:
         """Whether the chat template renders tools itself (it reads a ``tools`` variable)."""
         return "tools" in (getattr(self.hf, "chat_template", None) or "")

@@ -35,6 +35,16 @@ TokenId = int
 _MASK64 = (1 << 64) - 1
 
 
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """The index of each row's maximum (the first one on ties, a NaN's if there is one: torch's
+    and NumPy's rule alike). Float32 CPU rows go through NumPy: torch reduces a 49,152-entry row
+    in a parallel region, which with Parrot's passive OpenMP threads cost 70 us per decoding step
+    against NumPy's 7 us on one thread (AVX2 EPYC)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return x.reshape(-1, x.shape[-1]).numpy().argmax(axis=-1).tolist()
+    return x.reshape(-1, x.shape[-1]).argmax(dim=-1).tolist()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256  # 0: read the prompt only (for its prompt logprobs)
@@ -202,7 +212,7 @@ class Sampler:
         generator = torch.Generator(device="cpu").manual_seed(_mix(self.seed, position))
         # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i.
         race = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=generator)
-        return int(torch.argmax(probs.cpu() / race))
+        return argmax_rows(probs.cpu() / race)[0]
 
     def verify(
         self,
@@ -230,7 +240,7 @@ class Sampler:
         if self.penalties is not None:
             logits = self.penalties.apply(logits, output_before, draft_tokens)
         if self.params.greedy:
-            targets = logits.argmax(dim=-1).tolist()
+            targets = argmax_rows(logits)
             num_accepted = 0
             while num_accepted < len(draft_tokens) and draft_tokens[num_accepted] == targets[num_accepted]:
                 num_accepted += 1
