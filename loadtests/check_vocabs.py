@@ -53,6 +53,34 @@ def test_vectors(vocab_path: Path) -> list[tuple[str, list[int]]]:
     return [(text, [int(t) for t in line.split()]) for text, line in zip(texts, ids)]
 
 
+def windowed_decode(tokenizer: Any, vectors: list[tuple[str, list[int]]], specials: list[int]) -> str:
+    """Token streams through the server's text assembly (server/engine/textout.py, which decodes
+    a window of the last tokens), a few tokens per step: "exact" when its text equals a whole
+    decode after every step and what it sends adds up to the whole text, else where it differs.
+    Streams: the tests' ids one after another, the same with special tokens mixed in, random ids."""
+    import random
+
+    from server.engine.textout import TextAssembler
+
+    rng = random.Random(0)
+    tests = [t for _, ids in vectors for t in ids]
+    mixed = list(tests)
+    for _ in range(len(tests) // 10 if specials else 0):
+        mixed.insert(rng.randrange(len(mixed) + 1), rng.choice(specials))
+    noise = [rng.randrange(len(tokenizer.hf)) for _ in range(400)]
+    for name, ids in (("tests", tests), ("tests with specials", mixed), ("random ids", noise)):
+        assembler, sent, at = TextAssembler(tokenizer), "", 0
+        while at < len(ids):
+            step = rng.randint(1, 5)
+            sent += assembler.add(ids[at : at + step])[1]
+            at += step
+            if assembler.text != tokenizer.decode(ids[:at]):
+                return f"{name}: differs after {at} tokens"
+        if sent + assembler.flush() != tokenizer.decode(ids):
+            return f"{name}: sent text differs"
+    return "exact" if tokenizer.decodes_incrementally else "exact (decoded whole)"
+
+
 def check_vocabulary(vocab_path: Path) -> dict[str, Any]:
     from tokenizer.bpe import UnsupportedTokenizer
     from tokenizer.gguf_vocab import CONTROL, USER_DEFINED, GGUFVocabulary
@@ -81,6 +109,7 @@ def check_vocabulary(vocab_path: Path) -> dict[str, Any]:
                special_tokens_at_file_ids=sum(tokenizer.hf.convert_tokens_to_ids(text) == i for i, text in specials),
                end_of_generation=tokenizer.hf.convert_ids_to_tokens(sorted(tokenizer.eos_token_ids)),
                chat_template=bool(getattr(tokenizer.hf, "chat_template", None)), budget=budget,
+               windowed_decode=windowed_decode(tokenizer, vectors, [i for i, _ in specials]),
                seconds=round(time.perf_counter() - begin, 1))
     return row
 
@@ -155,17 +184,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"checking {path.name} ...", flush=True)
         vocabularies.append(check_vocabulary(path))
     print(f"\n{'vocabulary':<16} {'status':<8} {'tests exact':>11} {'specials':>11} {'size':>6}  {'budget':<15} "
-          "end of generation / reason")
+          f"{'windowed decode':<16} end of generation / reason")
     for row in vocabularies:
         if row["status"] == "loaded":
             tests = f"{row['exact']}/{row['tests']}" if row["tests"] else "no tests"
             specials = f"{row['special_tokens_at_file_ids']}/{row['special_tokens']}"
             size = "ok" if row["vocab_size"] == row["tokenizer_size"] else f"+{row['tokenizer_size'] - row['vocab_size']}"
             print(f"{row['vocab']:<16} {'loaded':<8} {tests:>11} {specials:>11} {size:>6}  {row['budget']:<15} "
-                  f"{', '.join(row['end_of_generation'])}")
+                  f"{row['windowed_decode']:<16} {', '.join(row['end_of_generation'])}")
         else:
             reason = row["reason"].replace("the GGUF's tokenizer is byte-level BPE with ", "").replace("\n", " ")
-            print(f"{row['vocab']:<16} {'refused':<8} {'':>11} {'':>11} {'':>6}  {'':<15} {' '.join(reason.split())[:90]}")
+            print(f"{row['vocab']:<16} {'refused':<8} {'':>11} {'':>11} {'':>6}  {'':<15} {'':<16} {' '.join(reason.split())[:90]}")
     served = []
     if not args.no_serve:
         with tempfile.TemporaryDirectory() as tmp:
