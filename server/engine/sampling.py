@@ -28,6 +28,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 TokenId = int
@@ -114,26 +115,65 @@ def random_stream(seed: int, choice: int) -> int:
     return seed if choice == 0 else _mix(seed, -choice)
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution to sample from, for logits ``[..., vocab]`` (float32)."""
-    scores = logits / params.temperature
+def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The target distribution of 1-D ``logits`` as (token ids, their probabilities): every token
+    (ids None: the probabilities are over the whole vocabulary) or, under top-k / top-p / min-p,
+    the tokens that keep mass. The nucleus comes from the largest probabilities found with topk
+    (64, then 4 times as many until they hold top_p): the smallest prefix of them whose mass
+    reaches top_p, which is the same prefix a sort of the whole vocabulary gives, where sorting
+    49,152 probabilities cost 4.7 ms per sampled token (AVX2 EPYC)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # NumPy divides on one thread; torch spreads 49,152 divisions over passive OpenMP threads (80 us)
+        scores = torch.from_numpy(logits.contiguous().numpy() / np.float32(params.temperature))
+    else:
+        scores = logits.float() / params.temperature
+    ids: torch.Tensor | None = None
     if params.top_k and params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        kth = torch.topk(scores, params.top_k).values[-1]
+        ids = _at_least(scores, kth)  # ties with the k-th stay, as a mask would keep them
+        scores = scores[ids]
     probs = torch.softmax(scores, dim=-1)
     if params.top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-        before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        k = min(64, probs.shape[-1])
+        while True:
+            top, order = torch.topk(probs, k)  # largest first
+            before = top.cumsum(-1) - top  # mass of the larger ones
+            if k == probs.shape[-1] or before[-1] >= params.top_p:
+                break  # the prefix ends inside: every token after it is dropped too
+            k = min(4 * k, probs.shape[-1])
+        keep = before < params.top_p  # always the top token
+        order = order[keep]
+        ids = order if ids is None else ids[order]
+        probs = top[keep] / top[keep].sum()
     if params.min_p > 0:
-        floor = params.min_p * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < floor, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+        keep = _at_least(probs, params.min_p * probs.max())
+        ids = keep if ids is None else ids[keep]
+        probs = probs[keep] / probs[keep].sum()
+    return ids, probs
+
+
+def _at_least(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Indices of the entries of 1-D ``x`` that are >= ``value``, in order (on the CPU through
+    NumPy, on one thread: 30 us for 49,152 entries against torch's 540 with passive OpenMP threads)."""
+    if x.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(x.numpy() >= value.item()))
+    return (x >= value).nonzero().flatten()
+
+
+def _cdf(probs: torch.Tensor) -> np.ndarray:
+    """The cumulative sums of 1-D probabilities in float64 (the conversion in NumPy, on one
+    thread, and the sums in torch: 80 us for 49,152 entries, against 190-230 either way alone)."""
+    if probs.device.type == "cpu":
+        return torch.from_numpy(probs.numpy().astype(np.float64)).cumsum(-1).numpy()
+    return probs.double().cumsum(-1).cpu().numpy()
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution to sample from over the whole vocabulary, for 1-D ``logits``."""
+    ids, probs = candidates(logits, params)
+    if ids is None:
+        return probs
+    return torch.zeros(logits.shape[-1], dtype=probs.dtype, device=probs.device).index_put_((ids,), probs)
 
 
 class Penalties:
@@ -207,12 +247,15 @@ class Sampler:
         self.penalties = Penalties(self.params, self.prompt_ids) if self.params.penalised else None
 
     def sample(self, logits: torch.Tensor, position: int) -> TokenId:
-        """One token from p(. | logits) using the random numbers of output ``position``."""
-        probs = target_probs(logits, self.params)
-        generator = torch.Generator(device="cpu").manual_seed(_mix(self.seed, position))
-        # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i.
-        race = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=generator)
-        return argmax_rows(probs.cpu() / race)[0]
+        """One token from p(. | logits) using the random number of output ``position``: the
+        inverse of p's cumulative distribution (in float64) at one uniform u in [0, 1), the top 53
+        bits of a splitmix64 hash of (seed, position). (An exponential race over the vocabulary
+        drew 49,152 random numbers per token: 1.2 ms.)"""
+        ids, probs = candidates(logits, self.params)
+        cdf = _cdf(probs)
+        u = (_mix(self.seed, position) >> 10) * 2.0**-53
+        index = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(cdf) - 1)
+        return index if ids is None else int(ids[index])
 
     def verify(
         self,
