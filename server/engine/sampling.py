@@ -182,7 +182,10 @@ class Penalties:
     frequency and presence penalties over the output's token counts.
 
     Counts are kept incrementally: the output only grows, so each call counts the tokens added
-    since the last one.
+    since the last one. Only the columns of tokens a penalty or bias can touch are computed (the
+    output's and drafts' tokens, the prompt's for the repetition penalty, the biased ones): the
+    rest keep their logits, as they would under the same arithmetic over the whole vocabulary,
+    where 5-7 such operations of 49,152 entries each cost 0.25-0.9 ms per step.
     """
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[TokenId]) -> None:
@@ -191,16 +194,22 @@ class Penalties:
         self.counted = 0  # output tokens already in output_counts
         self.output_counts: torch.Tensor | None = None  # [vocab] float32, made at the first call
         self.in_prompt: torch.Tensor | None = None  # [vocab] bool
-        self.bias: torch.Tensor | None = None  # [vocab] float32
+        self.bias_ids: torch.Tensor | None = None  # tokens with a logit bias, and their biases
+        self.bias_values: torch.Tensor | None = None
+        self.present: set[TokenId] = set()  # tokens whose columns a penalty touches: output (and prompt)
+        self._columns: torch.Tensor | None = None  # sorted(present), rebuilt when it grows
 
     def _start(self, vocab: int) -> None:
         self.output_counts = torch.zeros(vocab)
         if self.params.repetition_penalty != 1:
             self.in_prompt = torch.bincount(torch.tensor(list(self.prompt_ids), dtype=torch.long), minlength=vocab)[:vocab] > 0
+            self.present.update(t for t in self.prompt_ids if 0 <= t < vocab)
         if self.params.logit_bias:
-            self.bias = torch.zeros(vocab)
+            bias = torch.zeros(vocab)
             tokens, biases = zip(*self.params.logit_bias)
-            self.bias[torch.tensor(tokens)] = torch.tensor(biases, dtype=torch.float32)
+            bias[torch.tensor(tokens)] = torch.tensor(biases, dtype=torch.float32)  # the last of a repeated token wins
+            self.bias_ids = torch.tensor(sorted(set(tokens)), dtype=torch.long)
+            self.bias_values = bias[self.bias_ids]
 
     def apply(self, logits: torch.Tensor, output_before: Sequence[TokenId], draft_tokens: Sequence[TokenId]) -> torch.Tensor:
         """``logits`` ``[len(draft) + 1, vocab]`` adjusted at each position i for the output
@@ -212,22 +221,41 @@ class Penalties:
         if new:
             self.output_counts.index_add_(0, torch.tensor(new), torch.ones(len(new)))
             self.counted = len(output_before)
-        counts = self.output_counts.repeat(len(draft_tokens) + 1, 1)  # [positions, vocab]
-        for i, token in enumerate(draft_tokens):
-            counts[i + 1 :, token] += 1  # position i + 1 on sees draft i as output
+            if not self.present.issuperset(new):
+                self.present.update(new)
+                self._columns = None
         params = self.params
-        if self.bias is not None:
-            logits = logits + self.bias
+        # a copy to adjust (NumPy's on the CPU: torch's copies 49,152 floats on passive OpenMP threads, 80 us)
+        cpu32 = logits.device.type == "cpu" and logits.dtype == torch.float32
+        logits = torch.from_numpy(logits.numpy().copy()) if cpu32 else logits.to(torch.float32, copy=True)
+        if self.bias_ids is not None:
+            logits[:, self.bias_ids] += self.bias_values.to(logits.device)
+        if not (params.repetition_penalty != 1 or params.frequency_penalty or params.presence_penalty):
+            return logits
+        if self._columns is None:
+            self._columns = torch.tensor(sorted(self.present), dtype=torch.long)
+        extra = sorted(set(draft_tokens) - self.present)
+        columns = torch.cat([self._columns, torch.tensor(extra, dtype=torch.long)]) if extra else self._columns
+        # counts [positions, columns]: position i + 1 on sees draft i as output
+        counts = self.output_counts[columns].repeat(len(draft_tokens) + 1, 1)
+        if draft_tokens:
+            at = {token: i for i, token in enumerate(columns.tolist()) if token in set(draft_tokens)}
+            for i, token in enumerate(draft_tokens):
+                counts[i + 1 :, at[token]] += 1
+        index = columns.to(logits.device)
+        part = logits[:, index]
+        counts = counts.to(logits.device)
         if params.repetition_penalty != 1:
             seen = counts > 0
             if self.in_prompt is not None:
-                seen |= self.in_prompt
-            penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
-            logits = torch.where(seen, penalised, logits)
+                seen |= self.in_prompt[columns].to(logits.device)
+            penalised = torch.where(part > 0, part / params.repetition_penalty, part * params.repetition_penalty)
+            part = torch.where(seen, penalised, part)
         if params.frequency_penalty:
-            logits = logits - params.frequency_penalty * counts
+            part = part - params.frequency_penalty * counts
         if params.presence_penalty:
-            logits = logits - params.presence_penalty * (counts > 0).float()
+            part = part - params.presence_penalty * (counts > 0).float()
+        logits[:, index] = part
         return logits
 
 
