@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.config import Config
 from server.engine.engine import Engine
 from server.engine.loader import LoadedModel, ModelNotFoundError, ModelTooLargeError
+from server.engine.memory import share_one_heap
 from server.engine.scheduler import Scheduler
 from server.errors import APIError, install_error_handlers
 from server.state import ServerState
@@ -132,6 +133,7 @@ def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        share_one_heap()  # before the engine thread's first allocation: see memory.py
         thread = threading.Thread(target=load_and_run, name="parrot-engine", daemon=True)
         thread.start()
         yield

@@ -8,6 +8,7 @@ from server.config import Config
 from server.engine.costmodel import measure_cost_curve
 from server.engine.engine import Engine
 from server.engine.loader import LoadedModel, load_model
+from server.engine.memory import release_free_memory
 
 log = logging.getLogger("parrot.engine")
 
@@ -42,6 +43,7 @@ def build_engine(config: Config) -> tuple[LoadedModel, Engine]:
             " ".join(f"{c * 1e3:.0f}" for c in cost[1:]),
         )
     _log_floor(loaded, cost)
+    release_free_memory()  # the cost curve's cache and passes
     engine = Engine(loaded.forward, loaded.tokenizer, drafting, cost, config.server.prefill_chunk,
                     config.server.prefill_chunk_busy)
     return loaded, engine
