@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from server.engine.kernels import available_isas, kernels
-from server.engine.quant import FORMATS, BlockWeight, _unpermute_rows
+from server.engine.quant import FORMATS, GGML_TYPES, BlockWeight, _unpermute_rows, ggml_type
 
 
 def _random_q4_1(n: int, k: int, seed: int = 0) -> BlockWeight:
@@ -61,6 +61,21 @@ def test_unpermuted_rows_match_transformers_reverse_permute():
     w = torch.arange(rows * 2).reshape(rows, 2)
     expected = w.reshape(n_head, rows // n_head // 2, 2, 2).swapaxes(2, 1).reshape(w.shape)
     assert torch.equal(w[_unpermute_rows(rows, n_head)], expected)
+
+
+def test_ggml_type_table_agrees_with_the_gguf_package():
+    """The GGUF reader names and sizes the types Parrot reads from its own table (importing the
+    gguf package costs 1.4 MB resident); every row must be the package's, and other ids still
+    resolve through the package."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for type_id, (name, weights, size) in GGML_TYPES.items():
+        kind = GGMLQuantizationType(type_id)
+        assert (kind.name, *GGML_QUANT_SIZES[kind]) == (name, weights, size)
+    assert {name.lower() for name, _, _ in GGML_TYPES.values()} == set(FORMATS)
+    assert ggml_type(GGMLQuantizationType.Q3_K.value) == ("Q3_K", *GGML_QUANT_SIZES[GGMLQuantizationType.Q3_K])
+    with pytest.raises(ValueError):
+        ggml_type(9999)
 
 
 def test_every_cpu_runs_the_portable_kernels():

@@ -382,7 +382,7 @@ def load_gguf_native(source: ModelSource, config: ModelConfig) -> LoadedModel | 
     embedding's blocks, and a weightless transformers model supplies the config, norms and
     rotary tables. None where that does not apply (a format or shape the kernels do not run):
     then the transformers path loads it."""
-    from server.engine.quant import ROPE_FACTORS, apply_rope_factors, read_gguf_native
+    from server.engine.quant import ROPE_FACTORS, apply_rope_factors, read_gguf_native, release_file_pages
 
     if not _native_eligible(source, config):
         return None
@@ -416,6 +416,7 @@ def load_gguf_native(source: ModelSource, config: ModelConfig) -> LoadedModel | 
     forward = LlamaForward(skeleton, context_window, blocks, activations=config.activations)
     if forward.native is None:
         return None
+    release_file_pages(blocks)  # every pass reads the packed copies
     return LoadedModel(forward=forward, tokenizer=tokenizer, name=source.display_name, device=torch.device("cpu"),
                        dtype=torch.float32, backend="native", context_window=context_window, load_seconds=0.0)
 

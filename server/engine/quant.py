@@ -92,18 +92,13 @@ class BlockWeight:
         whose rows were reordered) is dropped: ``data`` then keeps its shape but no bytes, and
         only the packed copy may be used. Shared blocks in memory are left as they are."""
         if self.mapped:
-            if hasattr(os, "sysconf"):
-                page = os.sysconf("SC_PAGE_SIZE")
-                start, end = self.data.data_ptr(), self.data.data_ptr() + self.data.numel()
-                first, last = -(-start // page) * page, end // page * page  # whole pages inside data only
-                if last > first:
-                    _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4)  # MADV_DONTNEED
+            drop_pages(self.data.data_ptr(), self.data.data_ptr() + self.data.numel())
         elif self.private and self.packed is not None:
             self._nbytes = self.data.numel()
             self.data = torch.zeros(1, dtype=torch.uint8).expand(self.data.shape)
 
     def rows(self, index: torch.Tensor) -> "BlockWeight":
-        return BlockWeight(self.kind, self.data[index].contiguous())
+        return BlockWeight(self.kind, torch.from_numpy(self.data.numpy()[index.numpy()]))
 
     @staticmethod
     def pack(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> "BlockWeight":
@@ -116,6 +111,28 @@ class BlockWeight:
             fields.append(m.half().contiguous().view(torch.uint8).view(n, blocks, 2))
         fields.append(qs.contiguous().view(torch.uint8).view(n, blocks, -1))
         return BlockWeight(kind, torch.cat(fields, dim=-1).reshape(n, -1).contiguous())
+
+
+def drop_pages(start: int, end: int) -> None:
+    """Hand back the pages of a read-only file mapping wholly inside [start, end) (madvise
+    MADV_DONTNEED): they leave the process's resident memory and are read from the file again if
+    touched. Pages shared with bytes outside the range stay."""
+    if not hasattr(os, "sysconf"):
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = -(-start // page) * page, end // page * page
+    if last > first:
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4)  # MADV_DONTNEED
+
+
+def release_file_pages(blocks: dict[str, BlockWeight]) -> None:
+    """Hand back every page of the file's tensor data once the mapped blocks are packed (or are
+    read no more): :meth:`BlockWeight.release_blocks` keeps the pages a tensor shares with its
+    neighbours, and reading a page back maps up to 64 KB around it, so about 3 MB of the embedded
+    model's file stayed resident. A page touched later is read from the file again."""
+    mapped = [b.data for b in blocks.values() if b.mapped]
+    if mapped:
+        drop_pages(min(d.data_ptr() for d in mapped), max(d.data_ptr() + d.numel() for d in mapped))
 
 
 @lru_cache(maxsize=1)
@@ -146,7 +163,7 @@ def permuted_qk(config: Any) -> bool:
 def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     """Row order transformers gives Llama q/k projections read from a GGUF (reverse of the permute)."""
     dim = n_rows // n_head // 2
-    return torch.arange(n_rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(-1)
+    return torch.from_numpy(np.arange(n_rows).reshape(n_head, dim, 2).transpose(0, 2, 1).reshape(-1))
 
 
 def read_gguf_blocks(gguf_path: str, hf_model: Any) -> dict[str, BlockWeight]:
@@ -214,12 +231,34 @@ _GGUF_SMALL = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
 _GGUF_BIASES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj"}
 
 
+# GGML type ids (ggml.h) of the formats Parrot reads: name, weights per block, bytes per block.
+# Other types are looked up in the gguf package's table, which is not imported otherwise (it
+# costs 1.4 MB resident; tests/test_quant.py checks these rows against it).
+GGML_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
+}
+
+
+def ggml_type(type_id: int) -> tuple[str, int, int]:
+    """A GGML type's name, weights per block and bytes per block (ValueError for an unknown id)."""
+    known = GGML_TYPES.get(type_id)
+    if known is not None:
+        return known
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    kind = GGMLQuantizationType(type_id)
+    return (kind.name, *GGML_QUANT_SIZES[kind])
+
+
 @dataclass
 class GGUFTensor:
-    """One tensor of a GGUF file: its GGML type, shape (rows first: [N, K] for a matrix) and bytes."""
+    """One tensor of a GGUF file: its GGML type's name, shape (rows first: [N, K] for a matrix)
+    and bytes."""
 
     name: str
-    type: Any  # gguf.GGMLQuantizationType
+    type: str  # "Q4_K", "F32", ...: gguf.GGMLQuantizationType's names
     shape: tuple[int, ...]
     data: np.ndarray  # uint8 view of the memory-mapped file
 
@@ -233,8 +272,6 @@ def gguf_tensors(gguf_path: str) -> list[GGUFTensor]:
     the metadata is skipped, not parsed (the gguf package's reader builds an array per
     vocabulary entry: 3.4 s and ~150 MB for the embedded model's 49,152 tokens)."""
     import struct
-
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
     buf = memoryview(data)  # type: ignore[arg-type]
@@ -286,11 +323,14 @@ def gguf_tensors(gguf_path: str) -> list[GGUFTensor]:
         dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
         kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
         pos += 4 + 8 * n_dims + 12
-        infos.append((name, GGMLQuantizationType(kind), tuple(int(d) for d in reversed(dims)), offset))
+        infos.append((name, kind, tuple(int(d) for d in reversed(dims)), offset))
     start = (pos + alignment - 1) // alignment * alignment
+    # The header was read once: its pages (the vocabulary's strings, about 2 MB of the embedded
+    # model's) need not stay resident.
+    drop_pages(data.ctypes.data, data.ctypes.data + start)
     tensors = []
-    for name, kind, shape, offset in infos:
-        block, size = GGML_QUANT_SIZES[kind]
+    for name, type_id, shape, offset in infos:
+        kind, block, size = ggml_type(type_id)
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         nbytes = rows * shape[-1] // block * size
         view = data[start + offset : start + offset + nbytes]
@@ -331,9 +371,9 @@ def read_gguf_native(gguf_path: str, config: Any) -> tuple[dict[str, BlockWeight
             name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"
         else:
             continue
-        kind = GGUF_KINDS.get(tensor.type.name)
+        kind = GGUF_KINDS.get(tensor.type)
         if kind is None or len(tensor.shape) != 2:
-            raise ValueError(f"{tensor.name} is {tensor.type.name}, which the kernels do not run")
+            raise ValueError(f"{tensor.name} is {tensor.type}, which the kernels do not run")
         with warnings.catch_warnings():  # a read-only memory map: the kernels only read it
             warnings.simplefilter("ignore", UserWarning)
             weight = BlockWeight(kind, torch.from_numpy(tensor.data), mapped=True)
@@ -368,8 +408,12 @@ def apply_rope_factors(rotary: Any, factors: torch.Tensor) -> None:
 
 
 def _floats(tensor: GGUFTensor) -> torch.Tensor:
-    from gguf.quants import dequantize
-
     raw = np.asarray(tensor.data)
-    values = raw.view(np.float32) if tensor.type.name == "F32" else dequantize(raw, tensor.type)
+    if tensor.type == "F32":
+        values = raw.view(np.float32)
+    else:
+        from gguf.constants import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(raw, GGMLQuantizationType[tensor.type])
     return torch.from_numpy(np.array(values, dtype=np.float32).reshape(-1))
