@@ -91,6 +91,35 @@ def test_native_forward_matches_transformers_logits():
     torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}])
+def test_rotary_tables_filled_as_sequences_reach_equal_the_whole_table(rope):
+    """The forward computes rotary rows when a sequence first reaches them (a whole table for a
+    128k context window is 64 MB); the rows must be the whole table's, bit for bit, and a
+    sequence's logits the same whatever rows were filled before it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = tiny_hf_model(max_positions=2048)
+    if rope is not None:
+        config = LlamaConfig(**{**model.config.to_dict(), "rope_parameters": rope})
+        model = LlamaForCausalLM(config).eval()
+        assert model.model.rotary_emb.rope_type == "llama3"
+    whole_cos, whole_sin = model.model.rotary_emb(torch.zeros(1), torch.arange(2048)[None])
+    forward = LlamaForward(model, 2048)
+    assert forward._rope_rows < 2048  # nothing reached yet: the table is not filled
+    first = forward.new_cache(1100)
+    logits = forward.forward([(first, list(range(1, 64)) * 8, 1)])[0]  # 504 positions
+    assert 504 <= forward._rope_rows < 2048
+    for step in (1, 7, 300, 280):  # 1,092 positions, past two more fills
+        forward.forward([(first, [3] * step, 1)])
+    rows = forward._rope_rows
+    assert rows >= 1092
+    assert torch.equal(forward.cos[:rows], whole_cos[0, :rows]) and torch.equal(forward.sin[:rows], whole_sin[0, :rows])
+    again = forward.forward([(forward.new_cache(600), list(range(1, 64)) * 8, 1)])[0]
+    assert torch.equal(logits, again)
+
+
 def test_batched_forward_equals_separate_forwards():
     model = tiny_hf_model(4)
     forward = LlamaForward(model, 512)

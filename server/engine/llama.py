@@ -23,6 +23,7 @@ all their new tokens together and attention runs per sequence.
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,6 +83,21 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
     parameters.setdefault("rope_type", "default")
     parameters.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return parameters
+
+
+# Rope types whose tables depend on the range of positions asked for (transformers picks the
+# frequencies from the longest position): their tables are computed whole, at start-up.
+RANGE_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _untouched(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised [rows, cols] tensor; on CPU an anonymous memory mapping, whose pages
+    take no memory until written (a heap allocation may land on pages resident already)."""
+    if device.type != "cpu":
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    count = rows * cols
+    buffer = mmap.mmap(-1, max(1, count * dtype.itemsize))
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(rows, cols)  # keeps buffer alive
 
 
 def weightless_model(config: Any, small: dict[str, torch.Tensor]) -> Any:
@@ -322,11 +338,14 @@ class LlamaForward:
             self.layers = [_Layer(i, layer, blocks, kernels, q8) for i, layer in enumerate(inner.layers)]
             self.final_norm = inner.norm.weight.detach().contiguous()
             self.lm_head = Linear(["lm_head.weight"], [hf_model.lm_head], blocks, kernels, q8)
-            # The model's own rotary module computes the tables (it knows the rope scaling type).
-            positions = torch.arange(max_positions, device=self.device)[None]
-            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
-            cos, sin = inner.rotary_emb(probe, positions)
-            self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [positions, head_dim]
+            # Rotary tables [positions, head_dim], computed by the model's own rotary module (it
+            # knows the rope scaling type) as far as sequences reach (_fill_rope).
+            self._rotary = inner.rotary_emb
+            self.cos = _untouched(max_positions, self.head_dim, self.dtype, self.device)
+            self.sin = _untouched(max_positions, self.head_dim, self.dtype, self.device)
+            self._rope_rows = 0
+            whole = getattr(self._rotary, "rope_type", "default") in RANGE_DEPENDENT_ROPE
+            self._fill_rope(max_positions if whole else 1)
         self.block_kernels = kernels is not None and all(
             linear.blocks is not None for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )
@@ -374,6 +393,22 @@ class LlamaForward:
             final_norm=self.final_norm.data_ptr(), lm_head=lm_head, layers=self._layer_descs,
         )
 
+    def _fill_rope(self, positions: int) -> None:
+        """Have the rotary tables hold their first ``positions`` rows. Rows are computed when a
+        sequence first reaches them, 256 at a time (about 30 us); the operations are elementwise,
+        so the rows are the ones a whole table gives, bit for bit (tested). A whole table costs
+        4 MB for the embedded model's 8k context window and 64 MB for a 128k one, resident from
+        start-up though few requests reach that far."""
+        if positions <= self._rope_rows:
+            return
+        end = min(self.max_positions, -(-positions // 256) * 256)
+        with torch.inference_mode():
+            rows = torch.arange(self._rope_rows, end, device=self.device)[None]
+            cos, sin = self._rotary(torch.zeros(1, dtype=self.dtype, device=self.device), rows)
+            self.cos[self._rope_rows : end] = cos[0]
+            self.sin[self._rope_rows : end] = sin[0]
+        self._rope_rows = end
+
     def _linears(self) -> list[Linear]:
         return [linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
@@ -413,6 +448,7 @@ class LlamaForward:
         go through the compiled pass where the model has one, the rest through torch; either
         way a sequence's result depends only on its own tokens.
         """
+        self._fill_rope(max(cache.length + len(tokens) for cache, tokens, _ in batch))
         if self.native is None:
             return self._torch_forward(batch)
         # Pieces of at most PIECE tokens per sequence, one compiled pass per round of pieces;
