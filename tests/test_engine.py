@@ -118,6 +118,14 @@ def test_rotary_tables_filled_as_sequences_reach_equal_the_whole_table(rope):
     assert torch.equal(forward.cos[:rows], whole_cos[0, :rows]) and torch.equal(forward.sin[:rows], whole_sin[0, :rows])
     again = forward.forward([(forward.new_cache(600), list(range(1, 64)) * 8, 1)])[0]
     assert torch.equal(logits, again)
+    if rope is None:  # the tables a GGUF on the kernels gets without transformers' modules
+        from server.engine.llama import RotaryTables
+
+        for theta in (10000.0, 100000.0, 500000.0):
+            model.config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+            ours = RotaryTables(model.config)(torch.zeros(1), torch.arange(2048)[None])
+            theirs = type(model.model.rotary_emb)(config=model.config)(torch.zeros(1), torch.arange(2048)[None])
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
 def test_batched_forward_equals_separate_forwards():
