@@ -219,3 +219,28 @@ def test_a_new_file_is_converted_in_a_child_process_and_a_refusal_comes_back(tmp
 def embedded_tokenizer():
     source = resolve_source("embedded")
     return load_tokenizer(source.path, source.gguf_file)
+
+
+def test_merges_saved_as_strings_read_to_the_same_tokenizer(tmp_path, embedded_tokenizer):
+    """The conversion cache writes BPE merges as "a b" strings (2.3 MB less resident when read);
+    tokenizers must read them to the very tokenizer the pairs give: serialised again, the two
+    are the same JSON. A merge whose parts hold a space keeps the pair form."""
+    from tokenizers import Tokenizer
+
+    from tokenizer.loader import write_merges_as_strings
+
+    embedded_tokenizer.hf.save_pretrained(tmp_path)
+    path = str(tmp_path / "tokenizer.json")
+    pairs = Tokenizer.from_file(path)
+    assert isinstance(json.loads(pairs.to_str())["model"]["merges"][0], list)
+    assert write_merges_as_strings(path)
+    with open(path, encoding="utf-8") as f:
+        merges = json.load(f)["model"]["merges"]
+    assert len(merges) > 40_000 and all(isinstance(m, str) for m in merges)
+    assert Tokenizer.from_file(path).to_str() == pairs.to_str()
+
+    data = json.loads(pairs.to_str())
+    data["model"]["merges"][0] = ["a b", "c"]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    assert not write_merges_as_strings(path)

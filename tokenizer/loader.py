@@ -178,6 +178,28 @@ def end_of_generation_ids(hf: PreTrainedTokenizerBase) -> frozenset[TokenId]:
     return frozenset(ids)
 
 
+def write_merges_as_strings(tokenizer_json: str) -> bool:
+    """Rewrite a saved ``tokenizer.json``'s BPE merges from pairs (``["a", "b"]``, what
+    tokenizers writes) to ``"a b"`` strings, its older form, which it reads to the same model.
+    Read as pairs, the embedded model's 48,900 merges leave 2.3 MB more resident memory (13.6 MB
+    against 11.3 for the whole tokenizer): tokenizers holds a buffered copy of every merge while
+    building the model, and what it frees is scattered among what it keeps. A vocabulary with a
+    space inside a merge's part keeps the pairs (the string form cannot hold it). Returns whether
+    the file was rewritten."""
+    with open(tokenizer_json, encoding="utf-8") as f:
+        data = json.load(f)
+    model = data.get("model") or {}
+    merges = model.get("merges")
+    if model.get("type") != "BPE" or not merges or not all(
+        isinstance(m, list) and len(m) == 2 and " " not in m[0] and " " not in m[1] for m in merges
+    ):
+        return False
+    model["merges"] = [f"{a} {b}" for a, b in merges]
+    with open(tokenizer_json, "w", encoding="utf-8") as f:
+        json.dump(data, f, ensure_ascii=False)
+    return True
+
+
 def load_tokenizer(model_dir_or_id: str, gguf_file: str | None = None, saved: bool = False) -> Tokenizer:
     """Load the tokenizer of a local model directory, a GGUF file in it, or a hub id. ``saved``:
     a directory Parrot saved a loaded tokenizer to (the GGUF conversion cache), read with the

@@ -27,6 +27,7 @@ from server.engine.llama import LlamaForward, native_support, weightless_model
 from server.engine.memory import release_free_memory
 from server.engine.paths import cache_root
 from tokenizer import Tokenizer, load_tokenizer
+from tokenizer.loader import write_merges_as_strings
 from tokenizer.gguf_vocab import UnsupportedTokenizerError
 
 log = logging.getLogger("parrot.engine")
@@ -116,8 +117,8 @@ def choose_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 # Part of the conversion cache's key: raise it when what a conversion writes changes (2: the
 # tokenizer fixes for SentencePiece prefixes and ignore_merges; 3: special tokens at the file's
-# ids; 4: Llama 3's BOS), so that no stale copy is read.
-CONVERSION_VERSION = 4
+# ids; 4: Llama 3's BOS; 5: BPE merges as strings), so that no stale copy is read.
+CONVERSION_VERSION = 5
 
 
 def _conversion_dir(source: ModelSource) -> str:
@@ -370,6 +371,7 @@ def convert_gguf_metadata(source: ModelSource) -> tuple[Tokenizer, Any]:
         staging = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".converting-")
         config.save_pretrained(staging)
         tokenizer.hf.save_pretrained(staging)
+        write_merges_as_strings(os.path.join(staging, "tokenizer.json"))  # 2.3 MB less resident
         _publish(staging, target, last="config.json")
     except OSError as exc:
         log.warning("could not cache the tokenizer and config in %s (%s)", target, exc)
