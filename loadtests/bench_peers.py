@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -93,6 +94,14 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
         self.log.close()
+
+
+def logged_baseline(server: Server) -> int | None:
+    """The resident memory the server logged before loading its model (Python, torch and its own
+    modules): the memory rule's baseline (bytes; None if the log does not say)."""
+    with open(server.log.name) as f:
+        found = re.search(r"resident memory \d+ MB \((\d+) MB before loading", f.read())
+    return int(found.group(1)) * 2**20 if found else None
 
 
 def resident(pid: int) -> int:
@@ -226,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                                       peer_env()))
         for server in servers:
             server.wait()
-        memory = {"parrot_resident_after_start": resident(parrot.process.pid)}
+        memory = {"parrot_resident_after_start": resident(parrot.process.pid),
+                  "parrot_resident_before_loading": logged_baseline(parrot)}
         systems: dict[str, tuple[str, dict[str, Any]]] = {
             "parrot_on": (parrot.url, {"speculation": {"enabled": True}}),
             "parrot_off": (parrot.url, {"speculation": {"enabled": False}}),
@@ -259,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                     exact["identical"] += 1
                 else:
                     exact["different_ids"].append(row["id"])
+        time.sleep(1)  # the engine hands its free memory back when it goes idle: read after that
         memory["parrot_resident_after_requests"] = resident(parrot.process.pid)
         if len(servers) > 1:
             memory["llama_plain_resident_after_requests"] = resident(servers[1].process.pid)
@@ -354,6 +365,11 @@ def render(result: dict[str, Any]) -> str:
                      + (f" (llama.cpp plain {mb['llama_plain_resident_after_requests']:.0f} MB)"
                         if "llama_plain_resident_after_requests" in mb else "")
                      + f"; GGUF file {result['gguf_bytes'] / 2**20:.0f} MB")
+        if memory.get("parrot_resident_before_loading"):
+            rule = mb["parrot_resident_before_loading"] + 1.3 * result["gguf_bytes"] / 2**20
+            worst = max(mb["parrot_resident_after_start"], mb.get("parrot_resident_after_requests", 0))
+            lines.append(f"Memory rule: {mb['parrot_resident_before_loading']:.0f} MB before loading + 1.3 x the file "
+                         f"(no KV cache at idle) = {rule:.0f} MB: {'holds' if worst <= rule else 'EXCEEDED'}")
     numerics = result.get("numerics")
     if numerics:
         gaps = ", ".join(f"{g:.2g}" for g in numerics["divergence_gaps"] if g is not None) or "none"
