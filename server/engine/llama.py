@@ -401,7 +401,7 @@ class LlamaForward:
 
     def _fill_rope(self, positions: int) -> None:
         """Have the rotary tables hold their first ``positions`` rows. Rows are computed when a
-        sequence first reaches them, 256 at a time (about 30 us); the operations are elementwise,
+        sequence first reaches them, 256 at a time (about 80 us); the operations are elementwise,
         so the rows are the ones a whole table gives, bit for bit (tested). A whole table costs
         4 MB for the embedded model's 8k context window and 64 MB for a 128k one, resident from
         start-up though few requests reach that far."""
