@@ -20,11 +20,11 @@ its neighbours only through UTF-8 bytes split across tokens and the strip of a l
 the first token decoded, as byte-level BPE and SentencePiece decoders do), a step decodes a window
 of the last tokens from a *prefix* token p: with r the tokens already read, text = (text of the
 first r tokens) + decode(ids[p:])[len(decode(ids[p:r])):]. Both windows start at p, so the strip
-of p's leading space cancels; r only moves past text that does not end in U+FFFD or in an open run of
-byte tokens (so the bytes before it are whole characters and decode the same on their own); p moves to the old r only
-where the window from it has text (a window starting on skipped special tokens would strip the
-space of the token after them). A window that does not extend the last one falls back to a whole
-decode. tests/test_textout.py checks the text against a whole decode after every step.
+of p's leading space cancels; r only moves past text that does not end in U+FFFD or in an open
+run of byte tokens (so the bytes before it are whole characters and decode the same on their
+own); p moves to the old r only where the window from it has text (a window starting on
+skipped special tokens would strip the space of the token after them). A window that does not
+extend the last one falls back to a whole decode. tests/test_textout.py checks the text against a whole decode after every step.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ class TextAssembler:
         kept = len(new_ids)
         start = len(self.ids)
         self.ids.extend(new_ids)
-        self.text = self._decode()
+        may_change = self._may_change()  # whether the next token can change this text
+        self.text = self._decode(may_change)
         if self.stop:
             hit = self._find_stop(len(new_ids))
             if hit is not None:
@@ -77,9 +78,9 @@ class TextAssembler:
                 self.text = self.text[:index]
                 self.stopped = stop
                 return kept, self.flush()
-        return kept, self._safe_delta()
+        return kept, self._safe_delta(may_change)
 
-    def _decode(self) -> str:
+    def _decode(self, may_change: bool) -> str:
         """The decoder's text of ``ids``, decoding only the last tokens where it can."""
         if not getattr(self.decoder, "decodes_incrementally", False):
             return self.decoder.decode(self.ids)
@@ -87,7 +88,7 @@ class TextAssembler:
         if not window.startswith(self._prefix_text):
             return self.decoder.decode(self.ids)
         text = self._committed + window[len(self._prefix_text) :]
-        if not text.endswith("\ufffd") and not self._may_change():
+        if not text.endswith("\ufffd") and not may_change:
             ahead = self.decoder.decode(self.ids[self._read_at :]) if self._read_at > self._prefix_at else window
             if ahead:
                 self._prefix_at, self._prefix_text = self._read_at, ahead
@@ -106,8 +107,8 @@ class TextAssembler:
         may_change = getattr(self.decoder, "text_may_change", None)
         return may_change is not None and may_change(self.ids)
 
-    def _safe_delta(self) -> str:
-        if self._may_change():
+    def _safe_delta(self, may_change: bool) -> str:
+        if may_change:
             return ""
         end = len(self.text)
         while end > self.sent and self.text[end - 1] == "\ufffd":
