@@ -29,6 +29,7 @@ class ScriptedForward:
     """Logits that put all the weight on ``script[position + 1]`` (``eos`` past its end)."""
 
     max_positions = 1 << 20
+    kv_layout = None  # nothing to copy: the prefix cache does not apply
 
     def __init__(self, script: Sequence[int], vocab_size: int, eos: int) -> None:
         self.script = list(script)

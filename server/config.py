@@ -93,10 +93,27 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class PrefixCacheConfig:
+    """KV blocks kept across requests (server/engine/prefix_cache.py)."""
+
+    bytes: int = -1  # the budget in host memory; -1: a share of the memory free after loading; 0: off
+    block_tokens: int = 16
+    # A prompt prefix every tenant may share (a system prompt the operator sends to all), or "".
+    shared_prompt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.bytes < -1:
+            raise ValueError("prefix_cache.bytes must be >= 0, or -1 for the automatic budget")
+        if not 1 <= self.block_tokens <= 1024:
+            raise ValueError("prefix_cache.block_tokens must be in [1, 1024]")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     drafting: DraftingConfig = field(default_factory=DraftingConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -141,7 +158,8 @@ def load_config(
     if not path.exists() and path != DEFAULT_CONFIG_PATH:
         raise FileNotFoundError(f"config file not found: {path}")
     sections: dict[str, Any] = {}
-    section_types: dict[str, type[Any]] = {"model": ModelConfig, "drafting": DraftingConfig, "server": ServerConfig}
+    section_types: dict[str, type[Any]] = {"model": ModelConfig, "drafting": DraftingConfig, "server": ServerConfig,
+                                           "prefix_cache": PrefixCacheConfig}
     for name, section_type in section_types.items():
         known = {f.name: f for f in fields(section_type)}
         values: dict[str, Any] = {}

@@ -119,6 +119,8 @@ class _GenerationFields(_Strict):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
+    # vLLM's: requests share cached prompt blocks only with requests of the same salt (and tenant).
+    cache_salt: str | None = Field(default=None, max_length=1024)
     metadata: dict[str, str] | None = None
     ignore_eos: bool = False
     speculation: SpeculationOptions | None = None

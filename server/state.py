@@ -36,6 +36,7 @@ class ServerState:
     in_flight: int = 0  # HTTP requests being answered (the event loop's count, app.Draining)
     _grammar: Any = None
     _grammar_lock: threading.Lock = field(default_factory=threading.Lock)
+    _shared_prefixes: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         server = self.config.server
@@ -51,6 +52,23 @@ class ServerState:
                 loaded, _ = self.require_ready()
                 self._grammar = GrammarCompiler(loaded.tokenizer)
             return self._grammar
+
+    def shared_prefix_tokens(self, ids: list[int]) -> int:
+        """How many leading tokens of the prompt ``ids`` are the prefix the configuration shares
+        across tenants in the prefix cache (``prefix_cache.shared_prompt``): as a chat's system
+        message, or as a completion's text (with and without the vocabulary's BOS); 0 if none."""
+        text = self.config.prefix_cache.shared_prompt
+        if not text or self.loaded is None:
+            return 0
+        if self._shared_prefixes is None:
+            tokenizer = self.loaded.tokenizer
+            candidates = [tokenizer.encode(text, add_special_tokens=False), tokenizer.encode(text)]
+            try:
+                candidates.append(tokenizer.encode_chat([{"role": "system", "content": text}], add_generation_prompt=False))
+            except Exception:  # a template that refuses a lone system message: completions still share
+                pass
+            self._shared_prefixes = sorted((c for c in candidates if c), key=len, reverse=True)
+        return next((len(p) for p in self._shared_prefixes if ids[: len(p)] == p), 0)
 
     @property
     def ready(self) -> bool:

@@ -8,6 +8,7 @@ test model (``loadtests/scripted.py``) implement these protocols structurally: a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -36,6 +37,32 @@ class KVCache(Protocol):
     def crop(self, length: int) -> None: ...
 
 
+@runtime_checkable
+class TensorKVCache(KVCache, Protocol):
+    """A cache held as two tensors ``k``, ``v``: ``[layers, kv_heads, capacity, head_dim]``, positions
+    ``0..length-1`` valid. ``reserve(n)`` makes room for n positions; setting ``length`` declares
+    positions written from outside (the prefix cache copies cached blocks in this way)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def reserve(self, length: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one position in a ``TensorKVCache``: keys and values of every layer."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_position(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+
 Cache = TypeVar("Cache", bound=KVCache)
 
 
@@ -51,10 +78,19 @@ class Forward(Protocol[Cache]):
 
     ``max_positions``: the context window; no cache grows beyond it. ``vocab_size``: the width of
     the logits, which may exceed the tokenizer's vocabulary (padding ids).
+
+    ``kv_layout``: not None when the backend's caches are ``TensorKVCache``s of that layout and a
+    position's keys and values depend only on the tokens up to it, never on how they were
+    chunked or batched into passes: then positions copied from another cache holding the same
+    tokens are exactly the ones a pass would write, and the prefix cache may reuse them
+    (``prefix_cache.py``). None where either does not hold.
     """
 
     @property
     def max_positions(self) -> int: ...
+
+    @property
+    def kv_layout(self) -> KVLayout | None: ...
 
     @property
     def vocab_size(self) -> int: ...

@@ -9,6 +9,7 @@ from server.engine.costmodel import measure_cost_curve
 from server.engine.engine import Engine
 from server.engine.loader import LoadedModel, load_model
 from server.engine.memory import release_free_memory
+from server.engine.prefix_cache import PrefixCache, auto_budget, available_memory
 
 log = logging.getLogger("parrot.engine")
 
@@ -45,5 +46,28 @@ def build_engine(config: Config) -> tuple[LoadedModel, Engine]:
     _log_floor(loaded, cost)
     release_free_memory()  # the cost curve's cache and passes
     engine = Engine(loaded.forward, loaded.tokenizer, drafting, cost, config.server.prefill_chunk,
-                    config.server.prefill_chunk_busy)
+                    config.server.prefill_chunk_busy, prefix_cache=new_prefix_cache(config, loaded))
     return loaded, engine
+
+
+def new_prefix_cache(config: Config, loaded: LoadedModel) -> PrefixCache | None:
+    """The prefix cache the configuration asks for, or None (turned off, or the backend cannot
+    reuse KV exactly); logs which and why."""
+    settings = config.prefix_cache
+    layout = loaded.forward.kv_layout
+    if settings.bytes == 0:
+        log.info("prefix cache off (prefix_cache.bytes = 0)")
+        return None
+    if layout is None:
+        log.info("prefix cache off: the %s backend's KV of a position depends on how its prompt was chunked, "
+                 "so a reused prefix could change outputs", loaded.backend)
+        return None
+    budget = settings.bytes if settings.bytes > 0 else auto_budget(available_memory())
+    cache = PrefixCache(layout, budget, settings.block_tokens)
+    if cache.capacity == 0:
+        log.info("prefix cache off: a budget of %d bytes holds no block of %d bytes", budget, cache.block_bytes)
+        return None
+    log.info("prefix cache: %.0f MiB%s, %d blocks of %d tokens (%.0f KiB each)", cache.budget_bytes / 2**20,
+             " (a quarter of the memory available)" if settings.bytes < 0 else "", cache.capacity,
+             cache.block_tokens, cache.block_bytes / 1024)
+    return cache

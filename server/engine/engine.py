@@ -2,6 +2,9 @@
 
 ``Engine.step(sequences)`` advances every running sequence by one forward pass:
 
+0. reuse: with a prefix cache, a new sequence copies the KV of the longest cached prefix of
+   its prompt into its cache and reads only the rest; one whose prompt another sequence is
+   reading right now waits for it (a step or a few), then reuses what it stored;
 1. plan: a sequence still prefilling feeds its next prompt chunk (asking for the logits at its
    tokens when the request wants prompt logprobs); otherwise it feeds the token not yet in its
    KV cache (``pending``), the tokens its grammar forces, and a draft from its drafter, cut to
@@ -11,7 +14,8 @@
    (recovered or bonus), see ``sampling.py``; the KV cache is cropped back to what was accepted;
 4. apply stops: a completed grammar, EOS / stop token ids, max_tokens, stop strings;
 5. emit: the tokens go to the output, the drafter and the statistics, and the step returns a
-   ``StepOutput`` per sequence, which is all that leaves the engine thread.
+   ``StepOutput`` per sequence, which is all that leaves the engine thread; the sequence's
+   newly completed blocks go to the prefix cache.
 
 A request's output does not depend on drafting: greedy output is the argmax chain either way,
 and sampling draws position t's token with randomness keyed by (seed, choice, t).
@@ -39,7 +43,7 @@ from drafting import (
     new_drafter,
 )
 from server.config import DraftingConfig
-from server.engine.backend import Forward, KVCache
+from server.engine.backend import Forward, KVCache, TensorKVCache
 from server.engine.errors import ContextWindowExceeded, EmptyPrompt
 from server.engine.interface import (
     FinishReason,
@@ -51,6 +55,7 @@ from server.engine.interface import (
     TokenId,
     TokenLogprob,
 )
+from server.engine.prefix_cache import PrefixCache, block_keys
 from server.engine.sampling import Sampler
 from server.engine.textout import TextAssembler
 from tokenizer import Tokenizer
@@ -108,6 +113,11 @@ class Generation:
             for doc in request.draft_context:
                 self.drafter.add_context(doc)
             self.drafter.extend(request.prompt_ids)
+        # Prefix cache (engine step 0): the keys of the sequence's full blocks as far as they are
+        # known, how many of them are stored, and whether the cache was consulted yet.
+        self.prefix_keys: list[bytes] = []
+        self.stored_blocks = 0
+        self.reused = engine.prefix_cache is None
 
     @property
     def finished(self) -> bool:
@@ -148,11 +158,14 @@ class Engine:
         prefill_chunk_busy: int = 128,
         *,
         sizer: DraftSizer | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """``cost_curve``: seconds of a pass over 1.. tokens (``costmodel.measure_cost_curve``);
         adaptive drafting needs it, and drafts never exceed what it measured. ``sizer`` cuts the
         drafts of each pass; by default the ``DraftLengthPolicy`` of the cost curve when
-        drafting is adaptive, else none (every draft is verified whole)."""
+        drafting is adaptive, else none (every draft is verified whole). ``prefix_cache``: KV
+        blocks to reuse across requests; the forward must have an exact ``kv_layout`` equal to
+        the cache's."""
         self.forward = forward
         self.tokenizer = tokenizer
         self.drafting = drafting
@@ -166,6 +179,9 @@ class Engine:
             self.policy = DraftLengthPolicy(cost_curve)
             self.max_draft = min(self.max_draft, self.policy.max_draft)
         self.sizer = sizer if sizer is not None else (self.policy.size if self.policy is not None else None)
+        if prefix_cache is not None and forward.kv_layout != prefix_cache.layout:
+            raise ValueError(f"the prefix cache holds {prefix_cache.layout}, the forward's KV is {forward.kv_layout}")
+        self.prefix_cache = prefix_cache
 
     def start(self, request: GenerationRequest) -> Generation:
         """A new sequence for ``request``; raises ``EmptyPrompt`` or ``ContextWindowExceeded``."""
@@ -181,6 +197,10 @@ class Engine:
         """Advance each unfinished sequence by one forward pass (all in the same pass); None for
         a sequence that only read a prompt chunk (or was already finished)."""
         running = [s for s in sequences if not s.finished]
+        if self.prefix_cache is not None:
+            running = self._reuse_prefixes(running)  # 0. cached prefixes in; some may wait a step
+            if not running:
+                return [None] * len(sequences)
         plans = self._plan(running)  # 1. a prompt chunk, or pending + forced tokens + a sized draft
         logits = self._forward(running, plans)  # 2. one pass: [num_logits, vocab] per sequence
         now = time.perf_counter()
@@ -192,11 +212,79 @@ class Engine:
             if plan.num_logits == 0:  # a prompt chunk: nothing to accept yet
                 seq.pending = seq.pending[len(plan.tokens) :]
                 seq.stats.prefill_chunks += 1
+                self._store_prefix(seq)
                 continue
             verified = self._accept(seq, plan, seq_logits)  # 3. accepted drafts + recovered/bonus token
             tokens, text, finish = self._apply_stops(seq, plan.forced, verified)  # 4.
             outputs[id(seq)] = self._emit(seq, seq_logits, tokens, text, finish, now)  # 5.
         return [outputs.get(id(s)) for s in sequences]
+
+    # 0. Reuse cached prefixes --------------------------------------------------------------------
+
+    def _reuse_prefixes(self, running: list[Generation]) -> list[Generation]:
+        """Give each new sequence the cached KV of its prompt's longest cached prefix; the
+        sequences that go into this step's pass (a new one waits while another sequence is
+        reading a longer prefix of the same prompt, as ``n`` > 1 choices and parallel requests
+        with one system prompt do: it reuses that prefix a few steps later instead of computing
+        it twice)."""
+        assert self.prefix_cache is not None
+        ready = []
+        for seq in running:
+            if not seq.reused and not self._reuse_prefix(seq, running):
+                continue
+            ready.append(seq)
+        return ready
+
+    def _reuse_prefix(self, seq: Generation, running: list[Generation]) -> bool:
+        """Look ``seq``'s prompt up and copy what is cached into its KV cache (never the last
+        prompt token, whose logits give the first output token); False: wait instead."""
+        cache = self.prefix_cache
+        assert cache is not None
+        prompt, scope = seq.request.prompt_ids, seq.request.cache_scope
+        if not seq.prefix_keys:
+            seq.prefix_keys = block_keys(prompt, cache.block_tokens, scope.salt, scope.shared_tokens)
+        if seq.prompt_logprobs is not None:  # needs the logits at every prompt position
+            seq.reused = True
+            return True
+        hit = cache.match(seq.prefix_keys)
+        for other in running:
+            if other is not seq and other.reused and other.stats.first_token_at is None and \
+                    _common_prefix(other.prefix_keys, seq.prefix_keys) > hit:
+                return False
+        seq.reused = True
+        seq.stats.prefix_query_tokens = len(prompt)
+        positions = min(hit * cache.block_tokens, len(prompt) - 1)
+        if positions > 0:
+            kv = seq.cache
+            assert isinstance(kv, TensorKVCache) and kv.length == 0
+            kv.reserve(positions)
+            cache.load(seq.prefix_keys[: -(-positions // cache.block_tokens)], positions, kv.k, kv.v)
+            kv.length = positions  # type: ignore[misc]
+            seq.pending = list(prompt[positions:])
+            seq.stats.cached_tokens = positions
+        return True
+
+    def _store_prefix(self, seq: Generation) -> None:
+        """Hand the sequence's newly completed blocks (prompt and output tokens in its cache) to
+        the prefix cache."""
+        cache = self.prefix_cache
+        if cache is None or not seq.reused or seq.cache is None:
+            return
+        b = cache.block_tokens
+        prompt = seq.request.prompt_ids
+        full = min(seq.cache.length, len(prompt) + len(seq.output_ids)) // b
+        if full <= seq.stored_blocks:
+            return
+        if full > len(seq.prefix_keys):  # the chain goes on into the output
+            scope = seq.request.cache_scope
+            tokens = (list(prompt) + seq.output_ids)[: full * b]
+            parent = seq.prefix_keys[-1] if seq.prefix_keys else b""
+            seq.prefix_keys += block_keys(tokens, b, scope.salt, scope.shared_tokens, len(seq.prefix_keys), parent)
+        kv = seq.cache
+        assert isinstance(kv, TensorKVCache)
+        # From the first block: one evicted since would cut the chain to the later ones.
+        cache.store(seq.prefix_keys[:full], 0, kv.k, kv.v)
+        seq.stored_blocks = full
 
     # 1. Plan ------------------------------------------------------------------------------------
 
@@ -376,6 +464,7 @@ class Engine:
         prompt_logprobs = seq.prompt_logprobs if seq.stats.first_token_at is None else None
         seq.output_ids.extend(tokens)
         seq.stats.output_tokens = len(seq.output_ids)
+        self._store_prefix(seq)
         if seq.stats.first_token_at is None:
             seq.stats.first_token_at = now
         if finish is not None:
@@ -440,6 +529,13 @@ class Engine:
             logprobs=seq.logprobs,
             prompt_logprobs=seq.prompt_logprobs,
         )
+
+
+def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _advance_grammar(grammar: Grammar, verified: list[TokenId], stop_token_ids: frozenset[TokenId]) -> int | None:

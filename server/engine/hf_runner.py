@@ -40,6 +40,9 @@ class HFForward:
         self.dtype = hf_model.dtype
         self.max_positions = max_positions
         self.vocab_size = hf_model.config.vocab_size
+        # DynamicCache is no TensorKVCache, and transformers' kernels pick their algorithms by
+        # shape: a chunk's keys may differ in low bits from the same positions fed otherwise.
+        self.kv_layout = None
 
     def new_cache(self, capacity: int) -> HFCache:
         return HFCache(self.model.config, self.max_positions)

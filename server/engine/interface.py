@@ -28,6 +28,18 @@ class SpeculationParams:
     fast_forward: bool = True  # force the tokens a grammar leaves no choice about
 
 
+@dataclass(frozen=True)
+class CacheScope:
+    """Whose cached prefix blocks a request may reuse and add to (``prefix_cache.py``).
+
+    ``salt``: the request's tenant and ``cache_salt``; blocks are shared only between requests
+    with the same salt. ``shared_tokens``: how many leading prompt tokens are a prefix the
+    server shares across tenants (a configured system prompt); their blocks take no salt."""
+
+    salt: str = ""
+    shared_tokens: int = 0
+
+
 @dataclass
 class GenerationRequest:
     prompt_ids: list[TokenId]
@@ -38,6 +50,7 @@ class GenerationRequest:
     draft_context: list[list[TokenId]] = field(default_factory=list)
     # Grammar state of this request (constrained decoding), or None.
     grammar: Grammar | None = None
+    cache_scope: CacheScope = field(default_factory=CacheScope)
 
 
 @dataclass
@@ -67,6 +80,8 @@ class SequenceStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     forced_tokens: int = 0  # grammar fast-forward tokens (never verified: the grammar allows nothing else)
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache (0: not looked up)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     started_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None

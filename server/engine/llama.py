@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from server.engine.backend import KVLayout
 from server.engine.kernels import Kernels, LayerDesc, ModelDesc, SeqDesc, mats
 from server.engine.kernels import kernels as load_kernels
 from server.engine.quant import BlockWeight
@@ -372,6 +373,12 @@ class LlamaForward:
                         part.release_blocks()
             if self.native.embed_blocks:  # the tied LM head's blocks serve the embedding too
                 self.embed = None
+        # Only the compiled pass computes every row on its own (prompt chunks too): the torch path
+        # sends chunks of over SMALL_ROWS rows through GEMM and SDPA, whose results depend on the
+        # chunk's shape, so there a position's KV depends on how its prompt was chunked.
+        self.kv_layout: KVLayout | None = None
+        if self.native is not None:
+            self.kv_layout = KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
 
     def _describe(self, config: Any) -> ModelDesc:
         """The kernel library's view of the model; its pointers stay valid while self lives.

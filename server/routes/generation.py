@@ -100,6 +100,13 @@ def session_of(state: ServerState, http: Request, body: _GenerationFields) -> st
     return tenant
 
 
+def cache_salt(http: Request, user: str | None = None, salt: str | None = None) -> str:
+    """The prefix cache's scope of a request (``CacheScope.salt``): its tenant, as session
+    drafting names it (API key and ``user``; anonymous requests are one tenant), and its
+    ``cache_salt``."""
+    return f"{tenant_of(http, user) or ''}\n{salt or ''}"
+
+
 def remember(state: ServerState, tenant: str | None, prompts: list[list[int]], choices: list[Choice]) -> None:
     """Add a finished request's prompts and outputs to its tenant's session (each prompt once,
     with its first choice; ``choices`` hold the n choices of each prompt in turn)."""
@@ -353,8 +360,12 @@ def add_output(choice: Choice, out: StepOutput) -> None:
         choice.finish_reason = out.finish_reason if out.finish_reason in ("stop", "length") else "stop"
 
 
-def usage(prompt_tokens: int, choices: list[Choice], prediction_ids: list[int] | None) -> dict[str, Any]:
+def usage(prompt_tokens: int, choices: list[Choice], prediction_ids: list[int] | None, n: int = 1) -> dict[str, Any]:
+    """OpenAI's usage of a request whose ``choices`` are ``n`` per prompt, prompt after prompt.
+    ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV came from the prefix cache,
+    counted like ``prompt_tokens``, once per prompt (its first choice's)."""
     completion = sum(len(c.token_ids) for c in choices)
+    cached = sum(c.handle.stats.cached_tokens for c in choices[::n] if c.handle is not None and c.handle.stats is not None)
     spec = dict.fromkeys(SPECULATION_COUNTERS, 0)
     for c in choices:
         stats = c.handle.stats if c.handle else None  # the snapshot of its last output
@@ -365,6 +376,7 @@ def usage(prompt_tokens: int, choices: list[Choice], prediction_ids: list[int] |
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
     if prediction_ids is not None:
         accepted = sum(prediction_overlap(prediction_ids, c.token_ids) for c in choices)

@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.engine.engine import GenerationRequest, StepOutput, TokenLogprob
+from server.engine.interface import CacheScope
 from server.engine.loader import LoadedModel
 from server.engine.sampling import SamplingParams
 from server.errors import APIError
@@ -33,6 +34,7 @@ from server.routes.generation import (
     Choice,
     Constraint,
     budget_is_explicit,
+    cache_salt,
     check_context,
     check_model,
     collect,
@@ -397,10 +399,11 @@ def prompt_texts(body: CompletionRequest | ChatCompletionRequest) -> list[str]:
 
 async def generation_requests(state: ServerState, loaded: LoadedModel, body: CompletionRequest | ChatCompletionRequest,
                               kept: list[list[int]], param: str, logprobs: int | None, prompt_logprobs: int | None,
-                              session: list[list[int]]) -> tuple[list[GenerationRequest], list[int] | None, Constraint | None]:
+                              session: list[list[int]], salt: str,
+                              ) -> tuple[list[GenerationRequest], list[int] | None, Constraint | None]:
     """The engine requests of ``body.n`` choices for each prompt (ids after truncation), the
     prediction's ids (if any) and the output constraint (if any). ``session``: earlier texts of
-    the tenant, to draft from."""
+    the tenant, to draft from; ``salt``: its prefix cache scope (``cache_salt``)."""
     vocab_size = loaded.forward.vocab_size
     cap = state.config.server.max_completion_tokens
     explicit = budget_is_explicit(body)
@@ -415,7 +418,7 @@ async def generation_requests(state: ServerState, loaded: LoadedModel, body: Com
         context += escaped_context(loaded.tokenizer, prompt_texts(body))  # JSON strings copy the prompt escaped
     requests = [
         GenerationRequest(ids, dataclasses.replace(prompt_params, choice=j), spec, context,
-                          grammar_state(state, constraint, spec))
+                          grammar_state(state, constraint, spec), CacheScope(salt, state.shared_prefix_tokens(ids)))
         for ids, prompt_params in zip(kept, params)
         for j in range(body.n)
     ]
@@ -435,7 +438,8 @@ async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: C
     tenant = session_of(state, http, body)
     session = state.sessions.context(tenant) if tenant is not None and state.sessions is not None else []
     requests, prediction, constraint = await generation_requests(state, loaded, body, kept, param, logprobs,
-                                                                  prompt_logprobs, session)
+                                                                  prompt_logprobs, session,
+                                                                  cache_salt(http, body.user, body.cache_salt))
     checked = constraint.report if constraint is not None else lambda choices: {}
     headers = constraint.headers() if constraint is not None else {}
     response_id, created = new_id(fmt.id_prefix), int(time.time())
@@ -448,7 +452,7 @@ async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: C
         remember(state, tenant, kept, choices)
         _count_prediction(state, prediction, choices)
         return JSONResponse({**envelope(fmt.response_object), "choices": [fmt.choice(c) for c in choices],
-                             "usage": usage(prompt_tokens, choices, prediction), **truncation, **fmt.extra(choices),
+                             "usage": usage(prompt_tokens, choices, prediction, body.n), **truncation, **fmt.extra(choices),
                              **checked(choices)}, headers=headers)
 
     choices, outputs = await stream_outputs(state, requests, fmt.path)
@@ -471,7 +475,7 @@ async def _serve(state: ServerState, http: Request, loaded: LoadedModel, body: C
             yield chunk([], **report)
         if body.stream_options is not None and body.stream_options.include_usage:
             _count_prediction(state, prediction, choices)
-            yield chunk([], usage=usage(prompt_tokens, choices, prediction), **truncation)
+            yield chunk([], usage=usage(prompt_tokens, choices, prediction, body.n), **truncation)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(_guard(events()), media_type="text/event-stream", headers=headers)

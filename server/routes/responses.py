@@ -23,6 +23,7 @@ from server.engine.engine import StepOutput
 from server.errors import APIError
 from server.routes.generation import (
     Choice,
+    cache_salt,
     Constraint,
     collect,
     new_id,
@@ -93,7 +94,7 @@ class _Response:
 
     def usage(self, choice: Choice) -> dict[str, Any]:
         counts = usage(self.prompt_tokens, [choice], None)
-        return {"input_tokens": counts["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+        return {"input_tokens": counts["prompt_tokens"], "input_tokens_details": counts["prompt_tokens_details"],
                 "output_tokens": counts["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": counts["total_tokens"], "speculation": counts["speculation"]}
 
@@ -120,7 +121,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     ids = truncate_prompt(ids, chat)
     tenant = session_of(state, request, chat)
     session = state.sessions.context(tenant) if tenant is not None and state.sessions is not None else []
-    requests, _, constraint = await generation_requests(state, loaded, chat, [ids], "input", None, None, session)
+    requests, _, constraint = await generation_requests(state, loaded, chat, [ids], "input", None, None, session,
+                                                        cache_salt(request, chat.user, chat.cache_salt))
     response = _Response(body, loaded.name, len(ids), constraint)
     headers = constraint.headers() if constraint is not None else {}
     if not body.stream:

@@ -13,10 +13,19 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from server.engine.engine import GenerationRequest
+from server.engine.interface import CacheScope
 from server.engine.loader import LoadedModel
 from server.engine.sampling import SamplingParams
 from server.errors import APIError
-from server.routes.generation import budget_is_explicit, check_context, check_model, collect, speculation_params, usage
+from server.routes.generation import (
+    budget_is_explicit,
+    cache_salt,
+    check_context,
+    check_model,
+    collect,
+    speculation_params,
+    usage,
+)
 from server.schemas import CorrectRequest, SummarizeRequest
 from server.state import state_of
 from server.textdiff import char_edits
@@ -68,7 +77,8 @@ async def _run(request: Request, loaded: LoadedModel, ids: list[int], max_tokens
     limit = check_context(loaded, len(ids), max_tokens, "text", state.config.server.max_completion_tokens,
                           budget_is_explicit(body))
     generation = GenerationRequest(ids, SamplingParams(max_tokens=limit, temperature=0.0),
-                                   speculation_params(body.speculation), draft_context)
+                                   speculation_params(body.speculation), draft_context,
+                                   cache_scope=CacheScope(cache_salt(request), state.shared_prefix_tokens(ids)))
     choices = await collect(state, request, [generation], tag)
     return choices[0].text.strip(), usage(len(ids), choices, None) | {"finish_reason": choices[0].finish_reason}
 
