@@ -128,6 +128,7 @@ def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
         state.loaded, state.engine, state.scheduler = loaded, engine, scheduler
         state.metrics.model_loaded.set(1)
         state.metrics.kv_capacity = config.server.max_running * engine.forward.max_positions
+        state.metrics.watch_prefix_cache(engine.prefix_cache)
         log.info("ready: serving %s", loaded.name)
         scheduler.run()
 

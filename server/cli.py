@@ -20,6 +20,24 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
     parser.add_argument("--activations", default=None, choices=("q8", "float32"),
                         help="block kernels' inputs: q8 (8-bit, faster; default) or float32")
+    parser.add_argument("--prefix-cache-bytes", type=byte_size, default=None, metavar="SIZE",
+                        help="host memory for KV blocks reused across requests (a chat's next turn reads only its "
+                             "new tokens): bytes, or with a K/M/G suffix (2G); 0 turns the cache off; default: a "
+                             "quarter of the memory available after loading, at most 8G")
+
+
+def byte_size(text: str) -> int:
+    """``2G``, ``512M``, ``64K`` (powers of 1024; ``GiB``, ``MB`` and such too) or plain bytes."""
+    raw = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(raw[-1:], 1)
+    number = raw[:-1] if scale > 1 else raw
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or a number with K, M or G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {text!r}")
+    return int(value * scale)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +76,8 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         overrides["server"] = {"host": getattr(args, "host", None), "port": getattr(args, "port", None)}
     if getattr(args, "no_draft", False):
         overrides["drafting"] = {"enabled": False}
+    if args.prefix_cache_bytes is not None:
+        overrides["prefix_cache"] = {"bytes": args.prefix_cache_bytes}
     return load_config(args.config, overrides=overrides)
 
 

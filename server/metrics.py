@@ -16,6 +16,12 @@ generated) and ``parrot:kv_cache_usage_perc`` (KVCacheUtilization, a fraction fr
 vLLM's ``kv_cache_usage_perc``). Parrot gives each running request its own KV cache, which may
 grow to the context window, so the capacity it commits is ``server.max_running`` caches of the
 context window: the gauge is the positions the running requests' caches hold over that.
+
+The prefix cache (``server/engine/prefix_cache.py``): ``parrot:prefix_cache_queries_total`` and
+``parrot:prefix_cache_hits_total``, prompt tokens looked up and found (vLLM's
+``prefix_cache_queries`` / ``prefix_cache_hits``; their ratio is the hit rate), counted at each
+request's first token; and the gauges ``parrot:prefix_cache_blocks``, ``_bytes``,
+``_budget_bytes`` and ``_evicted_blocks``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from server.engine.interface import SPECULATION_COUNTERS, StepOutput
+from server.engine.prefix_cache import PrefixCache
 from server.engine.scheduler import OutputLatency, RequestHandle
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -55,6 +62,24 @@ class Metrics:
         self.kv_usage = Gauge("parrot:kv_cache_usage_perc",
                               "KV cache positions held over max_running context windows, 0 to 1 (KVCacheUtilization)", registry=r)
         self.kv_capacity = 0  # positions: max_running x the context window, set once the model loads
+        # The prefix cache, named as vLLM names its counters (in tokens), and what it holds.
+        self.prefix_queries = Counter("parrot:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up",
+                                      registry=r)
+        self.prefix_hits = Counter("parrot:prefix_cache_hits", "Prefix cache hits, in prompt tokens reused", registry=r)
+        self.prefix_blocks = Gauge("parrot:prefix_cache_blocks", "KV blocks the prefix cache holds", registry=r)
+        self.prefix_bytes = Gauge("parrot:prefix_cache_bytes", "Bytes of KV the prefix cache holds", registry=r)
+        self.prefix_budget = Gauge("parrot:prefix_cache_budget_bytes", "The prefix cache's budget (0: off)", registry=r)
+        self.prefix_evictions = Gauge("parrot:prefix_cache_evicted_blocks",
+                                      "Blocks evicted from the prefix cache since start-up", registry=r)
+
+    def watch_prefix_cache(self, cache: PrefixCache | None) -> None:
+        """Read the prefix cache's holdings at every scrape (ints read without the engine's lock)."""
+        if cache is None:
+            return
+        self.prefix_blocks.set_function(lambda: cache.stats().blocks)
+        self.prefix_bytes.set_function(lambda: cache.stats().bytes)
+        self.prefix_budget.set_function(lambda: cache.budget_bytes)
+        self.prefix_evictions.set_function(lambda: cache.evicted_blocks)
 
     # Observer hooks (engine thread) ---------------------------------------------------------
 
@@ -67,6 +92,8 @@ class Metrics:
         n = len(output.token_ids)
         if latency.ttft_s is not None:
             self.ttft.observe(latency.ttft_s)
+            self.prefix_queries.inc(output.stats.prefix_query_tokens)
+            self.prefix_hits.inc(output.stats.cached_tokens)
         if latency.itl_s is not None:
             for _ in range(n):
                 self.itl.observe(latency.itl_s)

@@ -68,6 +68,8 @@ class _Bucket:
     e2e: list[tuple[float, int]] = field(default_factory=list)
     max_waiting: int = 0
     max_running: int = 0
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of which found there
 
 
 class StatsCollector:
@@ -101,6 +103,8 @@ class StatsCollector:
             bucket.output_tokens += n
             if latency.ttft_s is not None:
                 bucket.ttft.append((latency.ttft_s, 1))
+                bucket.prefix_query_tokens += output.stats.prefix_query_tokens
+                bucket.prefix_hit_tokens += output.stats.cached_tokens
             if latency.itl_s is not None:
                 bucket.itl.append((latency.itl_s, n))
             seen = self._seen.get(id(handle))
@@ -189,6 +193,8 @@ class StatsCollector:
         counters = {k: sum(b.counters[k] for b in buckets) for k in SPECULATION_COUNTERS}
         output_tokens = sum(b.output_tokens for b in buckets)
         passes = counters["forward_passes"]
+        queried = sum(b.prefix_query_tokens for b in buckets)
+        hit = sum(b.prefix_hit_tokens for b in buckets)
         return {
             "span_s": span,
             "requests": finished,
@@ -205,6 +211,9 @@ class StatsCollector:
             "e2e_s": self._latency([s for b in buckets for s in b.e2e]),
             "max_waiting": max(b.max_waiting for b in buckets),
             "max_running": max(b.max_running for b in buckets),
+            "prefix_cache_queried_tokens": queried,
+            "prefix_cache_hit_tokens": hit,
+            "prefix_cache_hit_rate": hit / queried if queried else None,
         }
 
     def _point(self, b: _Bucket, length: float, wall_offset: float) -> dict[str, Any]:
@@ -225,6 +234,7 @@ class StatsCollector:
             "forced_tokens": b.counters["forced_tokens"],
             "waiting": b.max_waiting,
             "running": b.max_running,
+            "prefix_cache_hit_rate": b.prefix_hit_tokens / b.prefix_query_tokens if b.prefix_query_tokens else None,
         }
 
 

@@ -261,3 +261,28 @@ def test_eviction_under_a_small_budget_changes_no_answer(quantized):
             stats = cache.stats()
             assert stats.bytes <= stats.budget_bytes == budget
     assert cache.evicted_blocks > 0 and hits > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("drafting", [True, False], ids=["drafting", "plain"])
+def test_the_embedded_model_answers_a_warm_turn_as_a_cold_one(embedded_engine, mode, drafting):
+    """The same on the embedded model and its tokenizer: a chat's second turn, its first turn's
+    answer in the history, with the cache and without, tokens and logprobs bit for bit."""
+    tokenizer, forward = embedded_engine.tokenizer, embedded_engine.forward
+    params = dataclasses.replace(MODES[mode], max_tokens=48, ignore_eos=False)
+    spec = SpeculationParams(enabled=drafting)
+    warm_engine = Engine(forward, tokenizer, embedded_engine.drafting, embedded_engine.policy.cost,
+                         prefix_cache=PrefixCache(forward.kv_layout, 32 * MB))
+    text = ("Please fix the grammar of this text and return it whole: the cat have been sitting on the mat "
+            "since this morning, and it do not want to move because the sun are warm and the mat is soft.")
+    turn = [{"role": "user", "content": text}]
+    first = warm_engine.generate(GenerationRequest(tokenizer.encode_chat(turn), params, spec))
+    turn += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now the same, in capitals."}]
+    second = tokenizer.encode_chat(turn)
+    warm = warm_engine.generate(GenerationRequest(second, params, spec))
+    cold = embedded_engine.generate(GenerationRequest(second, params, spec))
+    assert warm.stats.cached_tokens >= len(second) - 40  # all but the new question's tokens and a partial block
+    assert warm.token_ids == cold.token_ids and len(warm.token_ids) > 0
+    assert [(e.token, e.logprob, e.top) for e in warm.logprobs] == [(e.token, e.logprob, e.top) for e in cold.logprobs]
+    if drafting:
+        assert warm.stats.accepted_tokens > 0

@@ -13,12 +13,15 @@ model is still loading (the numbers are zero then). Fields, times in seconds, ra
   draft tokens per forward pass), ``tokens_per_pass`` (output tokens per forward pass, the mean
   acceptance length), ``acceptance_rate`` (accepted / drafted), ``ttft_s``, ``itl_s`` and
   ``e2e_s`` (each ``{"p50", "p99", "count"}``; null percentiles when there is no sample),
-  ``max_waiting``, ``max_running``.
+  ``max_waiting``, ``max_running``, ``prefix_cache_queried_tokens`` (prompt tokens of
+  requests that looked the prefix cache up, counted at their first token),
+  ``prefix_cache_hit_tokens`` (of which found there) and ``prefix_cache_hit_rate`` (their ratio,
+  null without queries).
 - ``series``: one point per bucket, oldest first: ``t`` (bucket start, Unix time),
   ``request_rate``, ``errors``, ``output_tokens_per_s``, ``ttft_p50`` / ``ttft_p99``,
   ``itl_p50`` / ``itl_p99``, ``e2e_p50`` / ``e2e_p99``, ``accepted_per_pass``,
   ``tokens_per_pass``, ``drafted_tokens``, ``accepted_tokens``, ``forced_tokens``, and the
-  largest ``waiting`` and ``running`` seen in the bucket.
+  largest ``waiting`` and ``running`` seen in the bucket, ``prefix_cache_hit_rate``.
 
 A "request" is one generated sequence: a completion with ``n=3`` counts three.
 """
