@@ -8,7 +8,7 @@ PORT   ?= 8000
 # The stamp is rebuilt when the dependency list changes; otherwise `make install` is a no-op.
 STAMP  := $(VENV)/.parrot-installed
 
-.PHONY: install serve test fuzz soak bench bench-ray bench-drafter bench-grammar bench-peers bench-tokenizer check-vocabs replay-grammar replay-sessions replay-tools survey-schemas clean
+.PHONY: install serve test fuzz soak bench bench-ray bench-drafter bench-grammar bench-peers bench-multiturn bench-tokenizer check-vocabs replay-grammar replay-sessions replay-tools survey-schemas clean
 
 install: $(STAMP)
 
@@ -62,6 +62,12 @@ bench-grammar: install
 # make bench-peers LLAMA_SERVER=/path/llama-server LLAMA_BENCH=/path/llama-bench [PEERS_ARGS=...]
 bench-peers: install
 	LLAMA_SERVER=$(LLAMA_SERVER) LLAMA_BENCH=$(LLAMA_BENCH) $(PY) -m loadtests.bench_peers $(PEERS_ARGS)
+
+# Multi-turn conversations and an agent loop against llama.cpp, time to first token per turn (README,
+# "Prefix caching"): make bench-multiturn LLAMA_SERVER=/path/llama-server [MULTITURN_ARGS="--model qwen2.5-coder-1.5b"]
+MULTITURN_ARGS ?=
+bench-multiturn: install
+	LLAMA_SERVER=$(LLAMA_SERVER) $(PY) -m loadtests.bench_multiturn $(MULTITURN_ARGS)
 
 # Real families' vocabularies (llama.cpp's models/ggml-vocab-*.gguf and its tokenizer tests),
 # loaded and served on two-layer GGUFs: make check-vocabs LLAMA_CPP_DIR=/path/llama.cpp

@@ -97,7 +97,7 @@ class PrefixCacheConfig:
     """KV blocks kept across requests (server/engine/prefix_cache.py)."""
 
     bytes: int = -1  # the budget in host memory; -1: a share of the memory free after loading; 0: off
-    block_tokens: int = 16
+    block_tokens: int = 4
     # A prompt prefix every tenant may share (a system prompt the operator sends to all), or "".
     shared_prompt: str = ""
 

@@ -282,8 +282,10 @@ class Engine:
             seq.prefix_keys += block_keys(tokens, b, scope.salt, scope.shared_tokens, len(seq.prefix_keys), parent)
         kv = seq.cache
         assert isinstance(kv, TensorKVCache)
-        # From the first block: one evicted since would cut the chain to the later ones.
-        cache.store(seq.prefix_keys[:full], 0, kv.k, kv.v)
+        # From the first block if the last one stored has been evicted since (the chain to the
+        # new ones would be cut), else from the first new one.
+        first = seq.stored_blocks if seq.stored_blocks and seq.prefix_keys[seq.stored_blocks - 1] in cache else 0
+        cache.store(seq.prefix_keys[:full], first, kv.k, kv.v)
         seq.stored_blocks = full
 
     # 1. Plan ------------------------------------------------------------------------------------
