@@ -8,7 +8,7 @@ PORT   ?= 8000
 # The stamp is rebuilt when the dependency list changes; otherwise `make install` is a no-op.
 STAMP  := $(VENV)/.parrot-installed
 
-.PHONY: install serve test fuzz soak bench bench-ray bench-drafter bench-grammar bench-peers bench-multiturn bench-tokenizer check-vocabs replay-grammar replay-sessions replay-tools survey-schemas clean
+.PHONY: install serve test fuzz soak bench bench-ray bench-drafter bench-grammar bench-peers bench-multiturn soak-prefix bench-tokenizer check-vocabs replay-grammar replay-sessions replay-tools survey-schemas clean
 
 install: $(STAMP)
 
@@ -46,6 +46,12 @@ soak: install
 
 # Parrot on Ray Serve with 1 and 2 replicas beside the single-process server (README, "Scaling out on Ray").
 BENCH_RAY_ARGS ?=
+# Random multi-turn conversations from 8 clients against a prefix cache smaller than they need, each
+# answer checked against a server without the cache (README, "Prefix caching").
+SOAK_PREFIX_ARGS ?=
+soak-prefix: install
+	$(PY) -m loadtests.soak_prefix $(SOAK_PREFIX_ARGS)
+
 bench-ray: install
 	$(PY) -m loadtests.bench_ray $(BENCH_RAY_ARGS)
 

@@ -68,6 +68,8 @@ class ServerConfig:
     session_drafting: bool = False
     session_tokens: int = 8192
     session_tenants: int = 256
+    # Responses API: responses kept for previous_response_id (the least recently used go first; 0: none).
+    stored_responses: int = 1024
     # JSON schemas with keywords a grammar cannot enforce: served (the rest enforced, the output
     # checked against the whole schema afterwards) unless this is on, then refused with a 400.
     strict_schemas: bool = False
@@ -88,6 +90,8 @@ class ServerConfig:
             raise ValueError("server.request_timeout_s must be > 0")
         if self.drain_timeout_s < 0:
             raise ValueError("server.drain_timeout_s must be >= 0")
+        if self.stored_responses < 0:
+            raise ValueError("server.stored_responses must be >= 0")
         if self.max_completion_tokens < 0:
             raise ValueError("server.max_completion_tokens must be >= 0 (0: no limit but the context window)")
 

@@ -1,10 +1,10 @@
 """Request schema of OpenAI's Responses API (``POST /v1/responses``), as a chat request.
 
 Parrot serves what ``client.responses.create`` sends for text, structured output and function
-tools, statelessly: ``input`` (a string, or message, ``function_call`` and
-``function_call_output`` items) carries the whole conversation, so ``previous_response_id`` is a
-400 that says so, and nothing is stored whatever ``store`` says (responses report ``store:
-false``). ``as_chat`` turns the request into the equivalent ``ChatCompletionRequest``.
+tools: ``input`` (a string, or message, ``function_call`` and ``function_call_output`` items),
+after the conversation of ``previous_response_id`` when given (responses are stored unless
+``store`` is false; ``server/routes/responses.py``). ``as_chat`` turns the request into the
+equivalent ``ChatCompletionRequest``.
 """
 
 from __future__ import annotations
@@ -96,14 +96,14 @@ class ResponsesRequest(_Strict):
     user: str | None = None
     truncation: Literal["disabled"] | None = None
     speculation: SpeculationOptions | None = None  # Parrot's extension, as on chat
+    cache_salt: str | None = Field(default=None, max_length=1024)  # vLLM's, as on chat
 
-    def as_chat(self) -> ChatCompletionRequest:
-        """The chat request that asks for the same answer; 400 for what Parrot cannot serve."""
-        if self.previous_response_id is not None:
-            raise APIError(400, "Parrot's Responses API is stateless and stores no response: send the whole "
-                           "conversation in 'input' instead of 'previous_response_id'",
-                           param="previous_response_id", code="unsupported_parameter")
+    def as_chat(self, previous: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+        """The chat request that asks for the same answer; 400 for what Parrot cannot serve.
+        ``previous``: the chat messages of the conversation ``previous_response_id`` names (its
+        instructions are not carried over, as OpenAI does)."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        messages += [dict(m) for m in previous or []]
         for item in [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input:
             if isinstance(item, InputMessage):
                 messages.append({"role": item.role, "content": item.text()})
@@ -120,7 +120,7 @@ class ResponsesRequest(_Strict):
         fields: dict[str, Any] = {
             "messages": messages, "model": self.model, "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls,
-            "user": self.user, "metadata": self.metadata, "speculation": self.speculation,
+            "user": self.user, "metadata": self.metadata, "speculation": self.speculation, "cache_salt": self.cache_salt,
         }
         if self.tools:
             fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}

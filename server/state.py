@@ -15,6 +15,7 @@ from server.engine.loader import LoadedModel
 from server.engine.scheduler import Scheduler
 from server.errors import APIError
 from server.metrics import Metrics
+from server.response_store import ResponseStore
 from server.sessions import SessionStore
 from server.stats import StatsCollector
 
@@ -32,6 +33,7 @@ class ServerState:
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
     sessions: SessionStore | None = None  # cross-request drafting, when the config turns it on
+    responses: ResponseStore | None = None  # for previous_response_id (server.stored_responses)
     draining: bool = False  # SIGTERM: in-flight requests finish, new ones get 503 (server/app.py)
     in_flight: int = 0  # HTTP requests being answered (the event loop's count, app.Draining)
     _grammar: Any = None
@@ -42,6 +44,8 @@ class ServerState:
         server = self.config.server
         if server.session_drafting and self.sessions is None:
             self.sessions = SessionStore(server.session_tenants, server.session_tokens)
+        if self.responses is None:
+            self.responses = ResponseStore(server.stored_responses)
 
     def grammar_compiler(self) -> Any:
         """The GrammarCompiler for the served tokenizer (built on first use: about 1 s)."""

@@ -101,9 +101,10 @@ def test_completions_responses_and_counters_report_the_cache(server):
                        timeout=60).json()
         assert (r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0) is expected_hit
     body = {"input": f"Responses {uuid.uuid4().hex[:6]}. " + DOCUMENT, "max_output_tokens": 4, "temperature": 0}
-    httpx.post(server.url + "/v1/responses", json=body, timeout=60)
-    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
-    assert r["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    first = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
+    r = httpx.post(server.url + "/v1/responses", json={**body, "input": "And then?", "previous_response_id": first["id"]},
+                   timeout=60).json()
+    assert r["usage"]["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"]  # and the answer
     metrics = httpx.get(server.url + "/metrics").text
     values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("parrot:prefix")}
     assert values["parrot:prefix_cache_hits_total"] > 0

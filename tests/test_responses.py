@@ -33,7 +33,7 @@ def test_a_text_response_is_the_chat_answer(tiny):
     r = client.responses.create(model="tiny", input="cabcabca", instructions="ab", **kwargs)
     chat = client.chat.completions.create(model="tiny", temperature=0, max_tokens=12, messages=[
         {"role": "system", "content": "ab"}, {"role": "user", "content": "cabcabca"}])
-    assert r.object == "response" and r.id.startswith("resp_") and r.store is False
+    assert r.object == "response" and r.id.startswith("resp_") and r.store is True
     assert r.output_text == chat.choices[0].message.content
     assert [item.type for item in r.output] == ["message"] and r.output[0].role == "assistant"
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
@@ -59,8 +59,27 @@ def test_streamed_events_build_the_same_response(tiny):
     assert deltas == whole.output_text == events[-1].response.output_text
 
 
+def test_a_continued_response_is_its_conversation_and_belongs_to_its_key(tiny):
+    client = _client(tiny.url)
+    kwargs = {"model": "tiny", "temperature": 0, "max_output_tokens": 6}
+    first = client.responses.create(input="cabcab", instructions="ab", **kwargs)
+    second = client.responses.create(input="bcabca", previous_response_id=first.id, **kwargs)
+    assert second.previous_response_id == first.id
+    whole = client.chat.completions.create(model="tiny", temperature=0, max_tokens=6, messages=[
+        {"role": "user", "content": "cabcab"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "bcabca"}])  # the instructions are not carried over
+    assert second.output_text == whole.choices[0].message.content
+    assert second.usage.input_tokens == whole.usage.prompt_tokens
+    # Another API key, an unknown id, or a response stored with store=false: 404 in OpenAI's shape.
+    unstored = client.responses.create(input="abc", store=False, **kwargs)
+    assert unstored.store is False
+    for key, rid in (("other", first.id), ("unused", "resp_unknown"), ("unused", unstored.id)):
+        r = httpx.post(tiny.url + "/v1/responses", json={"input": "a", "previous_response_id": rid},
+                       headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
+
+
 @pytest.mark.parametrize("body, param", [
-    ({"input": "abc", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": []}, "input"),
     ({"input": "abc", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "abc", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),

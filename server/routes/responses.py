@@ -38,7 +38,10 @@ from server.routes.openai_api import (
     ready,
     truncate_prompt,
 )
+from server.schemas import ChatCompletionRequest
 from server.schemas_responses import ResponsesRequest
+from server.sessions import tenant_key
+from server.state import state_of
 from tokenizer.tools import ToolCallReader, read_tool_calls
 
 router = APIRouter()
@@ -63,8 +66,10 @@ def _function_call(item_id: str, call_id: str, name: str, arguments: str, status
 class _Response:
     """The response object of one request, filled in as the answer comes."""
 
-    def __init__(self, body: ResponsesRequest, model: str, prompt_tokens: int, constraint: Constraint | None) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, prompt_tokens: int, constraint: Constraint | None,
+                 store: bool) -> None:
         self.body = body
+        self.store = store
         self.constraint = constraint  # a JSON schema's check of the finished answer goes in ``schema_check``
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -79,7 +84,7 @@ class _Response:
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": self.model,
             "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None, "store": False,
+            "previous_response_id": body.previous_response_id, "store": self.store,
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "top_p": 1.0 if body.top_p is None else body.top_p,
             "text": {"format": {"type": "text"}} if body.text is None or body.text.format is None
@@ -99,6 +104,24 @@ class _Response:
                 "total_tokens": counts["total_tokens"], "speculation": counts["speculation"]}
 
 
+def _conversation(chat: ChatCompletionRequest, body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages of a request's conversation, without its instructions (which a request
+    continuing it does not inherit)."""
+    messages = [m.as_dict() for m in chat.messages]
+    return messages[1:] if body.instructions else messages
+
+
+def _as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Output items as the chat messages that render them: the message's text, or one assistant
+    turn with every function call (under the call ids the client was given)."""
+    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    if calls:
+        return [{"role": "assistant", "content": "", "tool_calls": calls}]
+    text = "".join(part.get("text", "") for item in output if item["type"] == "message" for part in item["content"])
+    return [{"role": "assistant", "content": text}]
+
+
 def _status(choice: Choice) -> str:
     return "incomplete" if choice.finish_reason == "length" else "completed"
 
@@ -115,20 +138,37 @@ def _output(choice: Choice, tools: bool) -> list[dict[str, Any]]:
 
 @router.post(PATH, response_model=None)
 async def create_response(body: ResponsesRequest, request: Request) -> JSONResponse | StreamingResponse:
-    chat = body.as_chat()
+    state = state_of(request)
+    assert state.responses is not None
+    owner = tenant_key(request.headers.get("authorization", ""), None) or ""
+    previous = None
+    if body.previous_response_id is not None:
+        previous = state.responses.get(body.previous_response_id, owner)
+        if previous is None:
+            raise APIError(404, f"Previous response with id '{body.previous_response_id}' not found.",
+                           param="previous_response_id", code="previous_response_not_found")
+    chat = body.as_chat(previous)
     state, loaded = ready(request, chat)
+    store = body.store is not False and state.config.server.stored_responses > 0
+
+    def keep(output: list[dict[str, Any]]) -> None:
+        """Store the conversation with this answer, for a later previous_response_id."""
+        if store:
+            state.responses.put(response.id, owner, _conversation(chat, body) + _as_messages(output))
     ids, tools = chat_prompt(loaded, chat)
     ids = truncate_prompt(ids, chat)
     tenant = session_of(state, request, chat)
     session = state.sessions.context(tenant) if tenant is not None and state.sessions is not None else []
     requests, _, constraint = await generation_requests(state, loaded, chat, [ids], "input", None, None, session,
                                                         cache_salt(request, chat.user, chat.cache_salt))
-    response = _Response(body, loaded.name, len(ids), constraint)
+    response = _Response(body, loaded.name, len(ids), constraint, store)
     headers = constraint.headers() if constraint is not None else {}
     if not body.stream:
         choice = (await collect(state, request, requests, PATH))[0]
         remember(state, tenant, [ids], [choice])
-        return JSONResponse(response.object(_status(choice), _output(choice, tools), choice), headers=headers)
+        output = _output(choice, tools)
+        keep(output)
+        return JSONResponse(response.object(_status(choice), output, choice), headers=headers)
     choices, outputs = await stream_outputs(state, requests, PATH)
     events = _Events(response, tools)
 
@@ -140,6 +180,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
                 for event in events.add(choice, out):
                     yield event
             remember(state, tenant, [ids], choices)
+            keep(events.output)
         except APIError as exc:  # after the stream started: an error event, as chat sends one
             yield _sse("error", {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param})
 
