@@ -224,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     servers: list[Server] = []
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     try:
-        parrot = Server("parrot", [sys.executable, "-m", "server.cli", "serve", "--model", gguf,
+        # Without the prefix cache: each prompt goes to drafting on and off in turn, and the
+        # second would reuse the first's prompt (llama.cpp's modes are separate servers); and the
+        # memory rule is about the model, not about blocks cached for later requests.
+        parrot = Server("parrot", [sys.executable, "-m", "server.cli", "serve", "--model", gguf, "--prefix-cache-bytes", "0",
                                    "--port", str(args.port)], args.port, env)
         servers.append(parrot)
         if llama_server:

@@ -33,6 +33,7 @@ import platform
 import random
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,9 @@ def request_body(settings: Settings, prompt: Prompt, speculation: bool | None, i
         body["ignore_eos"] = True
     if speculation is not None:
         body["speculation"] = {"enabled": speculation}
+    # A scope of its own per request: the same prompts run once per setting and level, and the
+    # prefix cache would serve the later runs' prompts from the earlier ones'.
+    body["cache_salt"] = f"load-{uuid.uuid4().hex}"
     return body
 
 
