@@ -89,8 +89,8 @@ def test_greedy_output_identical_with_and_without_drafting_under_penalties(name)
 
 
 def test_sampling_with_penalties_follows_the_penalised_distribution_with_drafting():
-    """Two sampled tokens after a fixed prompt, with drafts from the prompt, against the exact
-    joint distribution of the penalised model computed with ``reference`` (chi-square, 16 x 16
+    """Two sampled tokens after a fixed prompt, the second verified against drafts from the
+    prompt, against the exact joint distribution of the penalised model computed with ``reference`` (chi-square, 16 x 16
     outcomes pooled to cells expecting >= 5). Seeds 0..1999 are fixed, so the test is
     deterministic; the threshold is the chi-square 0.999999 quantile, so a correct sampler
     passes for essentially any seeds, while the unpenalised distribution is far off (checked).
@@ -98,8 +98,10 @@ def test_sampling_with_penalties_follows_the_penalised_distribution_with_draftin
     vocab = 16
     engine = tiny_engine("native", FORCED, vocab_size=vocab, logit_scale=1.0, seed=7)
     forward = engine.forward
-    prompt = [3, 5, 7, 9, 3, 5]
-    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, presence_penalty=0.8,
+    # Every token but EOS appears in the prompt, so whatever the first token is (sampled in the
+    # pass that reads the prompt, which drafts nothing), the drafter proposes the next two.
+    prompt = list(range(1, vocab)) * 2
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True, presence_penalty=0.8,
                             frequency_penalty=0.6, repetition_penalty=1.6, logit_bias=((7, 1.5), (2, -1.0)))
     first_logits = forward.forward([(forward.new_cache(16), prompt, 1)])[0][0]
     first = torch.softmax(reference(first_logits, prompt, [], params), -1)
@@ -110,7 +112,6 @@ def test_sampling_with_penalties_follows_the_penalised_distribution_with_draftin
         joint[a] = first[a] * torch.softmax(reference(second_logits, prompt, [a], params), -1)
         plain_joint[a] = torch.softmax(first_logits, -1)[a] * torch.softmax(second_logits, -1)
     n = 2000
-    # The drafter matches the prompt's tail [3, 5] at its start and proposes [7, 9].
     counts = sampled_pairs(lambda seed: _generate(engine, prompt, dataclasses.replace(params, seed=seed)), vocab, n)
     chi2, quantile = chi_square_below_quantile(joint.flatten() * n, counts.flatten())
     assert chi2 < quantile, (chi2, quantile)
