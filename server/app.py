@@ -16,6 +16,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.auth import KeyChecker, RequireKey, read_keys
 from server.config import Config
 from server.engine.engine import Engine
 from server.engine.loader import LoadedModel, ModelNotFoundError, ModelTooLargeError
@@ -165,6 +166,9 @@ def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
         return response
 
     app.add_middleware(BodyLimit, limit=config.server.max_body_bytes)
+    checker = KeyChecker(read_keys(config.server))
+    if checker:  # before the body is read; after draining (a draining server says so first)
+        app.add_middleware(RequireKey, checker=checker, protect_monitoring=config.server.protect_monitoring)
     app.add_middleware(Draining, state=state)
     if config.server.max_completion_tokens:
         cap = config.server.max_completion_tokens

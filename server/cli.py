@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(serve)
     serve.add_argument("--host", default=None, help="listen address (default from config: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="listen port (default from config: 8000)")
+    serve.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY) on /v1/ requests "
+                       "(also PARROT_API_KEY)")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="require one of the keys in this file (one per line, # comments) on /v1/ requests")
     serve.add_argument("--ray", action="store_true",
                        help="serve on Ray Serve: replicas of the server behind one gateway with session affinity "
                             "(needs the ray extra: pip install 'parrot-server[ray]'; RAY_ADDRESS names a cluster)")
@@ -72,8 +76,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
     overrides: dict[str, dict[str, Any]] = {
         "model": {"source": args.model, "device": args.device, "dtype": args.dtype, "activations": args.activations},
     }
-    if getattr(args, "host", None) is not None or getattr(args, "port", None) is not None:
-        overrides["server"] = {"host": getattr(args, "host", None), "port": getattr(args, "port", None)}
+    overrides["server"] = {name: getattr(args, name, None) for name in ("host", "port", "api_key", "api_key_file")}
     if getattr(args, "no_draft", False):
         overrides["drafting"] = {"enabled": False}
     if args.prefix_cache_bytes is not None:
@@ -93,9 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         from server.app import serve
         from server.engine.loader import ModelNotFoundError, ModelTooLargeError, preflight
 
-        try:  # a missing model or one that cannot fit: said now, not as a traceback or an OOM kill
+        from server.auth import read_keys
+
+        try:  # a missing model or one that cannot fit, or an unreadable key file: said now, not as a traceback
             preflight(config.model)
-        except (ModelNotFoundError, ModelTooLargeError) as exc:
+            read_keys(config.server)
+        except (ModelNotFoundError, ModelTooLargeError, ValueError) as exc:
             print(f"parrot: {exc}", file=sys.stderr)
             return 2
         if args.ray:

@@ -13,6 +13,9 @@ from drafting import drafter_methods
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
 ENV_PREFIX = "PARROT_"
+# Shorter names users know from other servers (vLLM's VLLM_API_KEY); the PARROT_<SECTION>_<KEY>
+# name wins where both are set.
+ENV_ALIASES = {"PARROT_API_KEY": ("server", "api_key")}
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,11 @@ class ServerConfig:
     session_tenants: int = 256
     # Responses API: responses kept for previous_response_id (the least recently used go first; 0: none).
     stored_responses: int = 1024
+    # API keys (server/auth.py): a key, and/or a file of keys (one per line); none: no keys asked.
+    api_key: str = ""
+    api_key_file: str = ""
+    # With keys: guard /health and /metrics too (they are open by default, for probes and scrapers).
+    protect_monitoring: bool = False
     # JSON schemas with keywords a grammar cannot enforce: served (the rest enforced, the output
     # checked against the whole schema afterwards) unless this is on, then refused with a 400.
     strict_schemas: bool = False
@@ -175,8 +183,9 @@ def load_config(
             values[key] = _coerce(name, key, _field_type(known[key]), raw)
         for key, f in known.items():
             env_name = f"{ENV_PREFIX}{name}_{key}".upper()
-            if env_name in env:
-                values[key] = _coerce(name, key, _field_type(f), env[env_name])
+            alias = next((a for a, target in ENV_ALIASES.items() if target == (name, key) and a in env), None)
+            if env_name in env or alias is not None:
+                values[key] = _coerce(name, key, _field_type(f), env[env_name if env_name in env else alias])
         for key, raw in (overrides or {}).get(name, {}).items():
             if raw is None:
                 continue

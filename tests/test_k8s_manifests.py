@@ -170,11 +170,13 @@ def test_deployment_probes_health_and_the_service_routes_to_the_server_port():
 def test_deployment_env_is_parrot_config_with_threads_matching_the_cpu_limit_and_drain_within_the_grace_period():
     pod = single_process()["Deployment"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    env = {var["name"]: var["value"] for var in container["env"]}
+    env = {var["name"]: var["value"] for var in container["env"] if "value" in var}
+    secrets = {var["name"]: var["valueFrom"]["secretKeyRef"] for var in container["env"] if "valueFrom" in var}
+    assert secrets.keys() <= {"PARROT_SERVER_API_KEY"} and all(ref["optional"] for ref in secrets.values())
     defaults = load_config(env={})
     known = {f"PARROT_{section.name}_{key.name}".upper()
              for section in dataclasses.fields(defaults) for key in dataclasses.fields(getattr(defaults, section.name))}
-    assert set(env) <= known, f"not a config setting (ignored by the server): {sorted(set(env) - known)}"
+    assert set(env) | set(secrets) <= known, f"not a config setting (ignored by the server): {sorted(set(env) - known)}"
     config = load_config(env=env)  # parses and range-checks the values as the server does
 
     limits, requests = container["resources"]["limits"], container["resources"]["requests"]

@@ -7,9 +7,9 @@ import logging
 from server.config import Config
 from server.engine.costmodel import measure_cost_curve
 from server.engine.engine import Engine
-from server.engine.loader import LoadedModel, load_model
+from server.engine.loader import LoadedModel, available_bytes, load_model
 from server.engine.memory import release_free_memory
-from server.engine.prefix_cache import PrefixCache, auto_budget, available_memory
+from server.engine.prefix_cache import PrefixCache, auto_budget
 
 log = logging.getLogger("parrot.engine")
 
@@ -62,7 +62,9 @@ def new_prefix_cache(config: Config, loaded: LoadedModel) -> PrefixCache | None:
         log.info("prefix cache off: the %s backend's KV of a position depends on how its prompt was chunked, "
                  "so a reused prefix could change outputs", loaded.backend)
         return None
-    budget = settings.bytes if settings.bytes > 0 else auto_budget(available_memory())
+    # Automatic: from the memory available now, capped by a cgroup's limit (in a container,
+    # /proc/meminfo describes the whole node).
+    budget = settings.bytes if settings.bytes > 0 else auto_budget(available_bytes() or 0)
     cache = PrefixCache(layout, budget, settings.block_tokens)
     if cache.capacity == 0:
         log.info("prefix cache off: a budget of %d bytes holds no block of %d bytes", budget, cache.block_bytes)

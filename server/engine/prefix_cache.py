@@ -196,15 +196,3 @@ class PrefixCache:
 def auto_budget(available_bytes: int) -> int:
     """The default budget: ``AUTO_SHARE`` of the available memory, at most ``MAX_AUTO_BYTES``."""
     return int(min(MAX_AUTO_BYTES, max(0, available_bytes) * AUTO_SHARE))
-
-
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo (0 where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
