@@ -184,13 +184,15 @@ def summarize(records: list[dict[str, Any]], names: list[str]) -> list[dict[str,
 
 
 def render(rows: list[dict[str, Any]], names: list[str], parrot: str) -> str:
-    head = ["workload", "turn"] + [f"{n} TTFT s" for n in names] + [f"{n} cached/prompt" for n in names]
+    head = ["workload", "turn"] + [f"{n} TTFT s" for n in names] + [f"{n} turn s" for n in names]
+    head += [f"{n} cached/prompt" for n in names]
     head += ["Parrot new-only TTFT s", "Parrot / new-only"]
     if "llama" in names:
         head.append("Parrot / llama.cpp TTFT")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["workload"], str(r["turn"])] + [f"{r[f'{n}_ttft_s']:.2f}" for n in names]
+        cells += [f"{r[f'{n}_e2e_s']:.2f}" for n in names]
         cells += [f"{r[f'{n}_cached']:.0f}/{r[f'{n}_prompt']:.0f}" for n in names]
         cells += [f"{r[f'{parrot}_new_only_ttft_s']:.2f}" if f"{parrot}_new_only_ttft_s" in r else "–",
                   f"{r[f'{parrot}_vs_new_only']:.2f}x" if f"{parrot}_vs_new_only" in r else "–"]
@@ -213,7 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip Parrot without its prefix cache")
     parser.add_argument("--port", type=int, default=8761)
     parser.add_argument("--out", default=str(RESULTS / "bench_multiturn.json"))
+    parser.add_argument("--render", default=None, metavar="JSON", help="print the table of an earlier run's JSON")
     args = parser.parse_args(argv)
+    if args.render:
+        earlier = json.loads(Path(args.render).read_text())
+        names = [n for n in ("parrot", "parrot_nocache", "llama") if f"{n}_ttft_s" in earlier["summary"][0]]
+        print(f"{earlier['info']['date']}, {earlier['info']['cpu']}\n\n" + render(earlier["summary"], names, "parrot"))
+        return 0
 
     from server.engine.kernels import cpu_description, kernels
     from server.engine.loader import resolve_source

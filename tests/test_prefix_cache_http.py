@@ -112,3 +112,28 @@ def test_completions_responses_and_counters_report_the_cache(server):
     assert 0 < values["parrot:prefix_cache_bytes"] <= values["parrot:prefix_cache_budget_bytes"] <= 64 << 20
     window = httpx.get(server.url + "/v1/stats").json()["window"]
     assert 0 < window["prefix_cache_hit_rate"] < 1
+
+
+def test_structured_output_tool_calls_and_n_choices_reuse_and_answer_as_cold(server):
+    schema = {"type": "object", "properties": {"year": {"type": "integer"}, "builder": {"type": "string"}},
+              "required": ["year", "builder"], "additionalProperties": False}
+    messages = [{"role": "user", "content": f"Grammar {uuid.uuid4().hex[:6]}. " + DOCUMENT + "Who built it, and when?"}]
+    fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+           "key": f"tenant-{uuid.uuid4().hex}"}  # a tenant of its own: nothing cached before (the system prompt)
+    first = _chat(server.url, messages, **fmt)
+    warm = _chat(server.url, messages, **fmt)
+    cold = _chat(server.url, messages, cache_salt="cold", **fmt)
+    assert _cached(first) == 0 and _cached(warm) > 0 and _cached(cold) == 0
+    assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+    json.loads(warm["choices"][0]["message"]["content"])  # the grammar held
+    tools = [{"type": "function", "function": {"name": "record", "parameters": schema}}]
+    calls = [_chat(server.url, messages, tools=tools, tool_choice="required", cache_salt=salt)
+             for salt in ("tools", "tools", "tools-cold")]
+    assert _cached(calls[0]) == 0 and _cached(calls[1]) > 0 and _cached(calls[2]) == 0
+    assert calls[1]["choices"][0]["message"]["tool_calls"][0]["function"] == \
+        calls[2]["choices"][0]["message"]["tool_calls"][0]["function"]
+    # n = 3 in one request: the choices after the first wait for it to read the prompt, then reuse it.
+    n3 = _chat(server.url, [{"role": "user", "content": f"Choices {uuid.uuid4().hex[:6]}. " + DOCUMENT}], n=3)
+    assert len({c["message"]["content"] for c in n3["choices"]}) == 1  # greedy: one answer
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "parrot:prefix_cache_hits_total" in metrics
