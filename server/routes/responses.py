@@ -138,12 +138,12 @@ def _output(choice: Choice, tools: bool) -> list[dict[str, Any]]:
 
 @router.post(PATH, response_model=None)
 async def create_response(body: ResponsesRequest, request: Request) -> JSONResponse | StreamingResponse:
-    state = state_of(request)
-    assert state.responses is not None
-    owner = tenant_key(request.headers.get("authorization", ""), None) or ""
+    stored = state_of(request).responses
+    assert stored is not None
+    owner = tenant_key(request.headers.get("authorization", ""), None) or ""  # the API key's hash
     previous = None
     if body.previous_response_id is not None:
-        previous = state.responses.get(body.previous_response_id, owner)
+        previous = stored.get(body.previous_response_id, owner)
         if previous is None:
             raise APIError(404, f"Previous response with id '{body.previous_response_id}' not found.",
                            param="previous_response_id", code="previous_response_not_found")
@@ -154,7 +154,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     def keep(output: list[dict[str, Any]]) -> None:
         """Store the conversation with this answer, for a later previous_response_id."""
         if store:
-            state.responses.put(response.id, owner, _conversation(chat, body) + _as_messages(output))
+            stored.put(response.id, owner, _conversation(chat, body) + _as_messages(output))
+
     ids, tools = chat_prompt(loaded, chat)
     ids = truncate_prompt(ids, chat)
     tenant = session_of(state, request, chat)
