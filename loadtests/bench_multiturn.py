@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 
 from loadtests.bench_engine import DATA, RESULTS, machine
-from loadtests.bench_peers import Server, peer_env, resident
+from loadtests.bench_peers import Server, peer_env, resident, sse_events
 from loadtests.real_models import resolve
 
 FOLLOW_UPS = [
@@ -88,20 +88,14 @@ def stream(url: str, body: dict[str, Any], path: str = "/v1/chat/completions") -
     text: list[str] = []
     usage: dict[str, Any] = {}
     timings: dict[str, Any] = {}
-    with httpx.stream("POST", url + path, json={**body, "stream": True, "stream_options": {"include_usage": True}},
-                      timeout=1200) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            usage = event.get("usage") or usage
-            timings = event.get("timings") or timings
-            for choice in event.get("choices", []):
-                piece = (choice.get("delta") or {}).get("content") or choice.get("text")
-                if piece:
-                    first = first or time.perf_counter()
-                    text.append(piece)
+    for event in sse_events(url + path, {**body, "stream": True, "stream_options": {"include_usage": True}}, 1200):
+        usage = event.get("usage") or usage
+        timings = event.get("timings") or timings
+        for choice in event.get("choices", []):
+            piece = (choice.get("delta") or {}).get("content") or choice.get("text")
+            if piece:
+                first = first or time.perf_counter()
+                text.append(piece)
     end = time.perf_counter()
     return {"ttft_s": (first or end) - start, "total_s": end - start, "text": "".join(text), "usage": usage,
             "timings": timings}

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -113,6 +114,15 @@ def resident(pid: int) -> int:
         return 0
 
 
+def sse_events(url: str, body: dict[str, Any], timeout: float = 600) -> Iterator[dict[str, Any]]:
+    """The JSON events of a streamed OpenAI-style request (``url`` is the endpoint's)."""
+    with httpx.stream("POST", url, json=body, timeout=timeout) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 def stream_chat(url: str, prompt: str, max_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
     """One greedy streamed chat completion: token count, TTFT, decode and end-to-end times."""
     body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
@@ -120,21 +130,16 @@ def stream_chat(url: str, prompt: str, max_tokens: int, extra: dict[str, Any]) -
     start = time.perf_counter()
     first = last = None
     chunks, text, usage = 0, [], None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            usage = event.get("usage") or usage
-            for choice in event.get("choices", []):
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    chunks += 1
-                    text.append(piece)
+    for event in sse_events(url + "/v1/chat/completions", body):
+        usage = event.get("usage") or usage
+        for choice in event.get("choices", []):
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                chunks += 1
+                text.append(piece)
     end = time.perf_counter()
     tokens = usage["completion_tokens"] if usage else chunks
     first = first or end
