@@ -353,8 +353,11 @@ class Monitor:
                 self.samples.append((round(time.monotonic() - self.start, 1), rss_kb(self.pid)))
 
 
-def start_server(port: int, request_timeout: float, fixed_drafts: int, log: Path) -> subprocess.Popen[bytes]:
+def start_server(port: int, request_timeout: float, fixed_drafts: int, log: Path,
+                 api_key: str | None = None) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PARROT_SERVER_REQUEST_TIMEOUT_S": str(request_timeout)}
+    if api_key:
+        env["PARROT_API_KEY"] = api_key
     if fixed_drafts:
         env.update(PARROT_DRAFTING_ADAPTIVE="false", PARROT_DRAFTING_MAX_DRAFT=str(fixed_drafts))
     with open(log, "wb") as out:
@@ -389,7 +392,9 @@ def log_problems(log: Path) -> list[str]:
 async def run(args: argparse.Namespace, url: str, pid: int | None, process: subprocess.Popen[bytes] | None) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
     # No httpx timeouts: a request's time limit is `within`'s, which does not count pauses.
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
+    key = getattr(args, "api_key", None)
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None, headers=headers) as client:
         model = await wait_healthy(client, process, 900)
         monitor = Monitor(pid)
         watcher = asyncio.ensure_future(monitor.run())
@@ -542,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="start the server with drafting.adaptive = false and max_draft N: drafts of up to N tokens are "
                         "verified whole, in full batches too (on 2 cores the adaptive policy drafts next to nothing at "
                         "8-way concurrency); 0: the default adaptive policy")
+    p.add_argument("--api-key", default=None, help="serve with this API key (PARROT_API_KEY) and send it with every request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--out", type=Path, default=RESULTS / "soak.json")
@@ -553,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url.rstrip("/") if args.url else f"http://127.0.0.1:{args.port}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.url is None:
-        process = start_server(args.port, args.server_timeout, args.fixed_drafts, log)
+        process = start_server(args.port, args.server_timeout, args.fixed_drafts, log, args.api_key)
     pid = process.pid if process else (args.pid or listening_pid(int(url.rsplit(":", 1)[1].split("/")[0])))
     started = time.strftime("%Y-%m-%d %H:%M")
     wall = time.monotonic()
