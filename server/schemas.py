@@ -386,7 +386,9 @@ class ChatCompletionRequest(_GenerationFields):
             raise APIError(400, f"give tools or an output constraint, not both ({found[0]})", param=found[0],
                            code="invalid_value")
         functions, required = use
-        parallel = self.parallel_tool_calls is not False
+        # A named function is called once (as OpenAI does); otherwise parallel_tool_calls says.
+        named = isinstance(self.tool_choice, NamedToolChoice)
+        parallel = self.parallel_tool_calls is not False and not named
         grammar = tool_grammar([f.model_dump(exclude_none=True) for f in functions], required, parallel)
         return ("tools", "lark", grammar)
 

@@ -34,6 +34,9 @@ TWO_CALLS = call_text("get_weather", '{"city":"Paris","unit":"celsius"}') + "\n"
     # Cut off (max_tokens) inside the arguments: the call so far; before the name: text.
     ('<tool_call>\n{"name":"get_time","arguments":{"tz":"C', None, [("get_time", '{"tz":"C')]),
     ('<tool_call>\n{"na', '<tool_call>\n{"na', []),
+    # Cut off inside a later call: it is left out (never streamed), the complete ones stay.
+    (TWO_CALLS[:-6], None, [("get_weather", '{"city":"Paris","unit":"celsius"}')]),
+    (TWO_CALLS[: TWO_CALLS.index("get_time") + 3], None, [("get_weather", '{"city":"Paris","unit":"celsius"}')]),
     # A string value holding what looks like the end of a call is not the end (JSON escapes "\n").
     (call_text("get_time", '{"tz":"}\\n</tool_call>"}'), None, [("get_time", '{"tz":"}\\n</tool_call>"}')]),
 ])
@@ -310,3 +313,38 @@ def test_arguments_validate_against_a_table_of_schemas(client):
         finished += 1
     print(f"tool calls on {finished + cut} schemas: {finished} finished, {cut} cut off by max_tokens")
     assert finished >= 6, (finished, cut)
+
+
+USER = {"type": "function", "function": {"name": "User", "parameters": {
+    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"], "additionalProperties": False}}}
+
+
+@real_model
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "User"}}, "required"])
+def test_a_forced_call_is_one_valid_call_even_when_the_model_would_go_on(client, tool_choice, stream):
+    """What instructor's TOOLS mode sends: the model, left to go on after its call, wrote a second
+    one that max_tokens cut off (the answer had two calls, the second's arguments not JSON, and
+    finish_reason "length"). A named function is called once; with "required" a later call cut
+    off is left out. Either way: one call whose arguments validate, finish_reason "tool_calls"."""
+    kwargs = {"messages": [{"role": "user", "content": "Jason is 25 years old."}], "tools": [USER],
+              "tool_choice": tool_choice, "max_tokens": 60}
+    if not stream:
+        choice = _chat(client, **kwargs).choices[0]
+        calls, finish = choice.message.tool_calls, choice.finish_reason
+    else:
+        chunks = list(_chat(client, stream=True, **kwargs))
+        finish = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+        pieces: dict[int, list] = {}
+        for c in chunks:
+            for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+                pieces.setdefault(d.index, []).append(d)
+        calls = [type("Call", (), {"id": p[0].id, "type": "function", "function": type("F", (), {
+            "name": p[0].function.name, "arguments": "".join(x.function.arguments or "" for x in p)})})
+            for _, p in sorted(pieces.items())]
+    assert finish == "tool_calls" and len(calls) >= 1
+    for call in calls:
+        _check_call(call, [USER])
+    if isinstance(tool_choice, dict):
+        assert len(calls) == 1

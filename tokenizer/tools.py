@@ -114,13 +114,20 @@ class ToolCallReader:
     """Reads generated text as content or tool calls. ``feed`` appends text and returns what it
     made sure of: (content, [(call index, name or None, arguments text)]) where a name comes
     once, when its call starts, and arguments in pieces. Text held back: up to the end of a
-    call's arguments (which ``finish`` releases)."""
+    call's arguments (which ``finish`` releases).
+
+    Only the first call streams as it is written. A later one (parallel calls) is held back
+    until it is complete, and one that the output ends inside (``max_tokens``) is dropped
+    (``dropped``): every call a client is given then parses, except a first call cut off, which
+    it gets as OpenAI gives it, with ``finish_reason`` "length"."""
 
     text: str = ""
     is_calls: bool | None = None  # None: undecided until the first character
     calls: list[ToolCall] = field(default_factory=list)
+    dropped: bool = False  # a call after the first was cut off and left out
     _pos: int = 0  # of ``text``: what is read
     _in_arguments: bool = False
+    _held: list[tuple[int, str | None, str]] = field(default_factory=list)  # events of a later call
 
     def feed(self, new: str, final: bool = False) -> tuple[str, list[tuple[int, str | None, str]]]:
         self.text += new
@@ -134,11 +141,29 @@ class ToolCallReader:
         if not self.is_calls:
             content, self._pos = self.text[self._pos :], len(self.text)
             return content, []
-        events = self._read_calls(final)
+        events = self._release(self._read_calls(final), final)
         if final and not self.calls:  # cut off before the first call's name: it is text after all
             self.is_calls = False
             return self.text, []
         return "", events
+
+    def _release(self, events: list[tuple[int, str | None, str]], final: bool) -> list[tuple[int, str | None, str]]:
+        """The events to give out now: the first call's as they come, a later call's once it is
+        complete; at the end, a later call still open is dropped."""
+        out = []
+        for event in events:
+            if event[0] == 0:
+                out.append(event)
+                continue
+            self._held.append(event)
+            if self.calls[event[0]].complete:
+                out += self._held
+                self._held = []
+        if final and self._held:
+            self._held = []
+            self.calls = [c for c in self.calls if c.complete or c is self.calls[0]]
+            self.dropped = True
+        return out
 
     def _read_calls(self, final: bool) -> list[tuple[int, str | None, str]]:
         events: list[tuple[int, str | None, str]] = []
@@ -175,7 +200,8 @@ class ToolCallReader:
 
 
 def read_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole answer: content is the text when it holds no calls."""
+    """(content, calls) of a whole answer: content is the text when it holds no calls (a later
+    call cut off is left out, as ``ToolCallReader`` leaves it)."""
     reader = ToolCallReader()
     reader.feed(text, final=True)
     return (None, reader.calls) if reader.calls else (text, [])

@@ -51,7 +51,7 @@ from server.routes.generation import (
 from server.schemas import ChatCompletionRequest, CompletionRequest, _GenerationFields
 from server.state import ServerState, state_of
 from tokenizer import Tokenizer
-from tokenizer.tools import ToolCallReader, read_tool_calls
+from tokenizer.tools import ToolCallReader
 
 router = APIRouter()
 
@@ -282,13 +282,14 @@ class _Chat(_Format):
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         finish = choice.finish_reason
         if self.tools:
-            content, calls = read_tool_calls(choice.text)
-            if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": [
+            reader = ToolCallReader()
+            reader.feed(choice.text, final=True)
+            if reader.calls:
+                message = {"role": "assistant", "content": None, "tool_calls": [
                     {"id": _call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                    for c in calls
+                    for c in reader.calls
                 ]}
-                finish = "tool_calls" if finish == "stop" else finish
+                finish = _calls_finish(finish, reader)
         return {"index": choice.index, "message": message, "logprobs": self._logprobs(choice.logprobs),
                 "finish_reason": finish}
 
@@ -307,8 +308,8 @@ class _Chat(_Format):
             delta = {"content": content} if content else {}
             if events:
                 delta["tool_calls"] = _call_deltas(events)
-            if reader.calls and finish == "stop":
-                finish = "tool_calls"
+            if reader.calls:
+                finish = _calls_finish(finish, reader)
         if not (delta or out.finished or (self.logprobs and out.logprobs)):
             return None  # a step with no text (part of a character, a held-back tag) and no logprobs asked
         return {"index": choice.index, "delta": delta, "logprobs": self._logprobs(out.logprobs or []),
@@ -316,6 +317,14 @@ class _Chat(_Format):
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
         return chat_logprobs(self.tokenizer, entries) if self.logprobs else None
+
+
+def _calls_finish(finish: str | None, reader: ToolCallReader) -> str | None:
+    """An answer of calls ends with "tool_calls", also when the budget ran out in a later call
+    (left out: ``ToolCallReader``); a first call cut off ends with "length"."""
+    if finish == "stop" or (finish == "length" and reader.dropped and reader.calls[-1].complete):
+        return "tool_calls"
+    return finish
 
 
 def _call_id() -> str:
