@@ -145,6 +145,8 @@ class ToolCallReader:
         if final and not self.calls:  # cut off before the first call's name: it is text after all
             self.is_calls = False
             return self.text, []
+        if final and self.text[self._pos :].strip():  # a later call cut off before its name
+            self.dropped = True
         return "", events
 
     def _release(self, events: list[tuple[int, str | None, str]], final: bool) -> list[tuple[int, str | None, str]]:

@@ -320,9 +320,10 @@ class _Chat(_Format):
 
 
 def _calls_finish(finish: str | None, reader: ToolCallReader) -> str | None:
-    """An answer of calls ends with "tool_calls", also when the budget ran out in a later call
-    (left out: ``ToolCallReader``); a first call cut off ends with "length"."""
-    if finish == "stop" or (finish == "length" and reader.dropped and reader.calls[-1].complete):
+    """An answer of calls ends with "tool_calls", also when the budget ran out after a complete
+    call (in a later one, which is left out: ``ToolCallReader``); a first call cut off ends with
+    "length"."""
+    if finish == "stop" or (finish == "length" and all(call.complete for call in reader.calls)):
         return "tool_calls"
     return finish
 
