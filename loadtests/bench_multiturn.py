@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 
 from loadtests.bench_engine import DATA, RESULTS, machine
-from loadtests.bench_peers import Server, peer_env, resident, sse_events
+from loadtests.peers import Server, peer_env, resident, sse_events
 from loadtests.real_models import resolve
 
 FOLLOW_UPS = [

@@ -33,7 +33,8 @@ from typing import Any
 import httpx
 
 from loadtests.bench_engine import RESULTS, machine
-from loadtests.bench_peers import TASKS, Server, held_out_prompts
+from loadtests.bench_peers import TASKS, held_out_prompts
+from loadtests.peers import Server
 
 SESSIONS = 10
 PER_SESSION = 10

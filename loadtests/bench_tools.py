@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8761)
     parser.add_argument("--out", default=str(RESULTS / "bench_tools.json"))
     args = parser.parse_args(argv)
-    from loadtests.bench_peers import Server
+    from loadtests.peers import Server
 
     with open(DATA / "code_edit.jsonl") as f:
         rows = [json.loads(line) for line in f][: args.rows]

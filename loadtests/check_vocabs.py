@@ -32,7 +32,8 @@ from typing import Any
 
 import httpx
 
-from loadtests.bench_peers import RESULTS, Server
+from loadtests.bench_engine import RESULTS
+from loadtests.peers import Server
 
 SERVED = {  # vocabulary -> (architecture, chat template in models/templates or None)
     "llama-bpe": ("llama", "meta-llama-Llama-3.1-8B-Instruct.jinja"),

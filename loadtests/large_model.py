@@ -97,7 +97,7 @@ def in_process(path: str, depth: int, prompt: int, decode: int = 64, rounds: int
 
 
 def llama_bench(binary: str, path: str, args: list[str], threads: int) -> list[dict[str, Any]]:
-    from loadtests.bench_peers import peer_env
+    from loadtests.peers import peer_env
 
     command = [binary, "-m", path, "-t", str(threads), "-o", "json", *args]
     return json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=peer_env()).stdout)
@@ -105,7 +105,7 @@ def llama_bench(binary: str, path: str, args: list[str], threads: int) -> list[d
 
 def run(params: str = "1B", kind: str = "Q4_K_M", llama_bench_bin: str | None = None, threads: int = 2,
         rounds: int = 3, max_tokens: int = 64, depth: int = 256, prompt: int = 256, port: int = 8741) -> dict[str, Any]:
-    from loadtests.bench_peers import Server, resident, stream_chat
+    from loadtests.peers import Server, resident, stream_chat
 
     path = str(synthetic(params, kind))
     result: dict[str, Any] = {"params": params, "type": kind, "gguf": path, "gguf_bytes": os.path.getsize(path),

@@ -29,7 +29,7 @@ from loadtests.bench_engine import DATA, RESULTS, machine
 
 
 def chat(url: str, prompt: str, user: str, session: bool, max_tokens: int) -> dict[str, Any]:
-    from loadtests.bench_peers import stream_chat
+    from loadtests.peers import stream_chat
 
     run = stream_chat(url, prompt, max_tokens, {"user": user, "speculation": {"session": session}})
     return {**run, "drafted": run["speculation"].get("drafted_tokens", 0), "accepted": run["speculation"].get("accepted_tokens", 0)}
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8751)
     parser.add_argument("--out", default=str(RESULTS / "replay_sessions.json"))
     args = parser.parse_args(argv)
-    from loadtests.bench_peers import Server
+    from loadtests.peers import Server
 
     with open(DATA / "code_edit.jsonl") as f:
         rows = [json.loads(line) for line in f][: args.rows]

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RESULTS / "schemas_survey.json"))
     args = parser.parse_args(argv)
     rows = [json.loads(line) for line in SCHEMAS.read_text().splitlines() if line.strip()]
-    from loadtests.bench_peers import Server
+    from loadtests.peers import Server
 
     server = None
     url = args.url

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from loadtests.bench_engine import DATA, RESULTS
-from loadtests.bench_peers import Server, resident
+from loadtests.peers import Server, resident
 
 SYSTEMS = [
     "You are a helpful assistant. Answer briefly.",

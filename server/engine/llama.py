@@ -5,13 +5,14 @@ outside the arithmetic (`DynamicCache` re-concatenates the whole cache every ste
 `sgemm` repacks every weight on every call; README, "How decoding works", has the measurements).
 Here:
 
-- sequences feeding up to 32 tokens (decoding passes) go through the compiled kernels
-  (kernels.py, csrc/kernels.cpp): with GGUF blocks for every linear layer, the whole pass is one
-  call (norms, block linears, RoPE, attention, SiLU, residuals), which computes every row on its
-  own, so a token's logits are the same bit for bit alone or with a draft; without blocks, the
-  attention kernel alone, with the float32 linears below;
-- prompt chunks go through float32 weights, fused (q|k|v, gate|up) and, on CPU, packed once for
-  oneDNN, and SDPA;
+- with GGUF blocks for every linear layer (the usual case on CPU), every pass, prompt chunks
+  included (in pieces of PIECE rows), is one call of the compiled kernels (kernels.py,
+  csrc/kernels.cpp: norms, block linears, RoPE, attention, SiLU, residuals), which computes every
+  row on its own, so a token's logits and KV are the same bit for bit alone, with a draft, or
+  however its prompt was chunked (what the prefix cache relies on);
+- otherwise (no blocks, or not on CPU) sequences feeding up to 32 tokens go through the block
+  kernels where there are some and the attention kernel, and longer prompt chunks through
+  float32 weights, fused (q|k|v, gate|up) and, on CPU, packed once for oneDNN, and SDPA;
 - the KV cache is one tensor per sequence, written in place; cropping it is setting a length.
 
 The weights, rotary tables and normalisation come from the loaded transformers model, so the
@@ -457,8 +458,9 @@ class LlamaForward:
         """Feed ``tokens`` to each ``cache`` in one pass; return each one's last ``num_logits`` logits.
 
         Each entry is ``(cache, tokens, num_logits)``. The caches grow by ``len(tokens)``.
-        Returns one ``[num_logits, vocab]`` float tensor per entry. Sequences feeding few tokens
-        go through the compiled pass where the model has one, the rest through torch; either
+        Returns one ``[num_logits, vocab]`` float tensor per entry. Where the model has the
+        compiled pass, every sequence goes through it (more than PIECE tokens in pieces);
+        otherwise through torch, few-token sequences on the block and attention kernels. Either
         way a sequence's result depends only on its own tokens.
         """
         self._fill_rope(max(cache.length + len(tokens) for cache, tokens, _ in batch))

@@ -1,8 +1,8 @@
 // Float vectors of L lanes for one instruction set, chosen when the file is compiled:
 // PARROT_AVX512 (16 lanes, + F16C), PARROT_AVX2 (8 lanes, AVX2 + FMA + F16C), or neither (8 lanes of GCC
 // vector extensions, which the compiler turns into whatever the target has: SSE2, NEON, ...).
-// kernels.cpp is compiled once per instruction set into its own library; quant.py picks one at
-// run time by what the CPU has.
+// kernels.cpp is compiled once per instruction set into its own library; kernels.py picks one at
+// run time by what the CPU has (PARROT_KERNELS overrides).
 //
 // Every operation is a fixed sequence of instructions: a horizontal sum adds its lanes in the
 // same order every time, and nothing here depends on how many rows a kernel processes. All
