@@ -205,13 +205,6 @@ class _GenerationFields(_Strict):
                            param=found[1][0], code="invalid_value")
         return found[0] if found else None
 
-    def strict_schema(self) -> bool:
-        """``response_format`` json_schema with ``strict: true``: a schema keyword the grammar cannot
-        enforce is refused (400, as OpenAI does), not served and checked afterwards."""
-        rf = self.response_format or {}
-        spec = rf.get("json_schema") if rf.get("type") == "json_schema" else None
-        return isinstance(spec, dict) and spec.get("strict") is True
-
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()

@@ -162,7 +162,8 @@ async def compile_constraint(state: ServerState, req: _GenerationFields) -> Cons
     """The request's validated grammar (cached by the compiler), or None; 400 quoting llguidance.
 
     A JSON schema compiles leniently (keywords the grammar cannot enforce are left out, then
-    checked after generation) unless the request says ``strict: true`` or the server has
+    checked after generation), with ``strict: true`` too (what the openai SDK's ``parse()`` sends
+    for every schema: refusing it refused most real-world schemas), unless the server has
     ``strict_schemas`` on: then they are refused. An invalid schema is a 400 with its reason."""
     constraint = req.constraint()
     if constraint is None:
@@ -174,15 +175,14 @@ async def compile_constraint(state: ServerState, req: _GenerationFields) -> Cons
             check = SchemaCheck(spec)
         except ValueError as exc:
             raise APIError(400, f"invalid {param}: {exc}", param=param, code="invalid_schema") from None
-    lenient = check is not None and not (req.strict_schema() or state.config.server.strict_schemas)
+    lenient = check is not None and not state.config.server.strict_schemas
     compiler = state.grammar_compiler()
     try:
         grammar = await asyncio.to_thread(compiler.compile, kind, spec, lenient)
     except GrammarError as exc:
         refused = ""
         if check is not None and not lenient:
-            who = "the request's strict: true" if req.strict_schema() else "this server (server.strict_schemas)"
-            refused = f" ({who} refuses keywords the grammar cannot enforce)"
+            refused = " (this server, server.strict_schemas, refuses keywords the grammar cannot enforce)"
         raise APIError(400, f"invalid {param}: {exc}{refused}", param=param, code="invalid_grammar") from None
     unenforced = tuple(compiler.unenforced(grammar)) if lenient else ()
     if unenforced:
