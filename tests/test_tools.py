@@ -348,3 +348,22 @@ def test_a_forced_call_is_one_valid_call_even_when_the_model_would_go_on(client,
         _check_call(call, [USER])
     if isinstance(tool_choice, dict):
         assert len(calls) == 1
+
+
+@real_model
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_responses_answer_of_complete_calls_is_completed(http_server, stream):
+    """The same request through the Responses API: the later call max_output_tokens cut off is
+    left out, and the response of one complete call is "completed", not "incomplete"."""
+    client = OpenAI(base_url=http_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    kwargs = {"model": "SmolLM2-135M-Instruct", "input": "Jason is 25 years old.", "temperature": 0,
+              "max_output_tokens": 60, "tool_choice": "required",
+              "tools": [{"type": "function", "name": "User", "parameters": USER["function"]["parameters"]}]}
+    if stream:
+        r = [e for e in client.responses.create(stream=True, **kwargs) if e.type.startswith("response.")][-1].response
+    else:
+        r = client.responses.create(**kwargs)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert r.status == "completed" and len(calls) >= 1 and all(c.status == "completed" for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), USER["function"]["parameters"])

@@ -42,7 +42,7 @@ from server.schemas import ChatCompletionRequest
 from server.schemas_responses import ResponsesRequest
 from server.sessions import tenant_key
 from server.state import state_of
-from tokenizer.tools import ToolCallReader, read_tool_calls
+from tokenizer.tools import ToolCall, ToolCallReader, read_tool_calls
 
 router = APIRouter()
 
@@ -122,18 +122,22 @@ def _as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"role": "assistant", "content": text}]
 
 
-def _status(choice: Choice) -> str:
-    return "incomplete" if choice.finish_reason == "length" else "completed"
+def _status(choice: Choice, calls: list[ToolCall] | None = None) -> str:
+    """incomplete when max_output_tokens ran out, unless the answer is calls that are all complete
+    (a later call it cut off is left out: ``ToolCallReader``)."""
+    if choice.finish_reason == "length" and not (calls and all(c.complete for c in calls)):
+        return "incomplete"
+    return "completed"
 
 
-def _output(choice: Choice, tools: bool) -> list[dict[str, Any]]:
-    """The output items of a finished answer: its tool calls, or one message."""
-    status = _status(choice)
+def _output(choice: Choice, tools: bool) -> tuple[str, list[dict[str, Any]]]:
+    """The status and output items of a finished answer: its tool calls, or one message."""
     content, calls = read_tool_calls(choice.text) if tools else (choice.text, [])
+    status = _status(choice, calls)
     if calls:
-        return [_function_call(_item_id("fc"), _item_id("call"), c.name, c.arguments,
-                               "completed" if c.complete else "incomplete") for c in calls]
-    return [_message(_item_id("msg"), content or "", status)]
+        return status, [_function_call(_item_id("fc"), _item_id("call"), c.name, c.arguments,
+                                       "completed" if c.complete else "incomplete") for c in calls]
+    return status, [_message(_item_id("msg"), content or "", status)]
 
 
 @router.post(PATH, response_model=None)
@@ -167,9 +171,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     if not body.stream:
         choice = (await collect(state, request, requests, PATH))[0]
         remember(state, tenant, [ids], [choice])
-        output = _output(choice, tools)
+        status, output = _output(choice, tools)
         keep(output)
-        return JSONResponse(response.object(_status(choice), output, choice), headers=headers)
+        return JSONResponse(response.object(status, output, choice), headers=headers)
     choices, outputs = await stream_outputs(state, requests, PATH)
     events = _Events(response, tools)
 
@@ -261,7 +265,7 @@ class _Events:
         yield self._event("response.output_item.done", output_index=index, item=item)
 
     def _finish(self, choice: Choice) -> Iterator[str]:
-        status = _status(choice)
+        status = _status(choice, self.reader.calls if self.reader is not None else None)
         if not self.output:  # an empty answer is still a message
             yield from self._open_message()
         last = self.output[-1]
