@@ -117,14 +117,13 @@ class ToolCallReader:
     call's arguments (which ``finish`` releases).
 
     Only the first call streams as it is written. A later one (parallel calls) is held back
-    until it is complete, and one that the output ends inside (``max_tokens``) is dropped
-    (``dropped``): every call a client is given then parses, except a first call cut off, which
-    it gets as OpenAI gives it, with ``finish_reason`` "length"."""
+    until it is complete, and one that the output ends inside (``max_tokens``) is left out:
+    every call a client is given then parses, except a first call cut off, which it gets as
+    OpenAI gives it, with ``finish_reason`` "length" (``calls_complete``)."""
 
     text: str = ""
     is_calls: bool | None = None  # None: undecided until the first character
     calls: list[ToolCall] = field(default_factory=list)
-    dropped: bool = False  # a call after the first was cut off and left out
     _pos: int = 0  # of ``text``: what is read
     _in_arguments: bool = False
     _held: list[tuple[int, str | None, str]] = field(default_factory=list)  # events of a later call
@@ -145,8 +144,6 @@ class ToolCallReader:
         if final and not self.calls:  # cut off before the first call's name: it is text after all
             self.is_calls = False
             return self.text, []
-        if final and self.text[self._pos :].strip():  # a later call cut off before its name
-            self.dropped = True
         return "", events
 
     def _release(self, events: list[tuple[int, str | None, str]], final: bool) -> list[tuple[int, str | None, str]]:
@@ -164,7 +161,6 @@ class ToolCallReader:
         if final and self._held:
             self._held = []
             self.calls = [c for c in self.calls if c.complete or c is self.calls[0]]
-            self.dropped = True
         return out
 
     def _read_calls(self, final: bool) -> list[tuple[int, str | None, str]]:
@@ -199,6 +195,12 @@ class ToolCallReader:
                 events.append((len(self.calls) - 1, None, piece))
             self._pos = end + len(_TAIL)
             self._in_arguments = False
+
+
+def calls_complete(calls: list[ToolCall]) -> bool:
+    """Whether an answer of ``calls`` is whole although the output may have run out of tokens:
+    every call it gives is complete (a later call cut off is left out, by ``ToolCallReader``)."""
+    return bool(calls) and all(call.complete for call in calls)
 
 
 def read_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:

@@ -21,7 +21,7 @@ the block's first writer computed for the same tokens at the same positions. Tha
 the request would compute itself only if a position's keys and values do not depend on how the
 prompt was chunked or batched; Parrot's compiled pass has that property (every row computed on
 its own), so a hit gives the same logits bit for bit. The engine uses the cache only over a
-backend that says so (``Forward.chunk_invariant``).
+backend that says so (``Forward.kv_layout``).
 
 Ownership. The cache owns its blocks, in one anonymous memory mapping of the budget's size
 (pages are taken as blocks are first written, so resident memory never exceeds the budget) cut
@@ -171,10 +171,6 @@ class PrefixCache:
                 self._blocks[parent].children += 1
             stored += 1
         return stored
-
-    def clear(self) -> None:
-        self._blocks.clear()
-        self._free = list(range(self.capacity - 1, -1, -1))
 
     def _take_slot(self, protect: bytes | None) -> int | None:
         """A free slot, evicting the least recently used leaf if there is none (never ``protect``,

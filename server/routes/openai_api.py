@@ -51,7 +51,7 @@ from server.routes.generation import (
 from server.schemas import ChatCompletionRequest, CompletionRequest, _GenerationFields
 from server.state import ServerState, state_of
 from tokenizer import Tokenizer
-from tokenizer.tools import ToolCallReader
+from tokenizer.tools import ToolCall, ToolCallReader, calls_complete, read_tool_calls
 
 router = APIRouter()
 
@@ -282,14 +282,13 @@ class _Chat(_Format):
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         finish = choice.finish_reason
         if self.tools:
-            reader = ToolCallReader()
-            reader.feed(choice.text, final=True)
-            if reader.calls:
-                message = {"role": "assistant", "content": None, "tool_calls": [
+            content, calls = read_tool_calls(choice.text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [
                     {"id": _call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                    for c in reader.calls
+                    for c in calls
                 ]}
-                finish = _calls_finish(finish, reader)
+                finish = _calls_finish(finish, calls)
         return {"index": choice.index, "message": message, "logprobs": self._logprobs(choice.logprobs),
                 "finish_reason": finish}
 
@@ -309,7 +308,7 @@ class _Chat(_Format):
             if events:
                 delta["tool_calls"] = _call_deltas(events)
             if reader.calls:
-                finish = _calls_finish(finish, reader)
+                finish = _calls_finish(finish, reader.calls)
         if not (delta or out.finished or (self.logprobs and out.logprobs)):
             return None  # a step with no text (part of a character, a held-back tag) and no logprobs asked
         return {"index": choice.index, "delta": delta, "logprobs": self._logprobs(out.logprobs or []),
@@ -319,11 +318,10 @@ class _Chat(_Format):
         return chat_logprobs(self.tokenizer, entries) if self.logprobs else None
 
 
-def _calls_finish(finish: str | None, reader: ToolCallReader) -> str | None:
-    """An answer of calls ends with "tool_calls", also when the budget ran out after a complete
-    call (in a later one, which is left out: ``ToolCallReader``); a first call cut off ends with
-    "length"."""
-    if finish == "stop" or (finish == "length" and all(call.complete for call in reader.calls)):
+def _calls_finish(finish: str | None, calls: list[ToolCall]) -> str | None:
+    """An answer of calls ends with "tool_calls", also when the budget ran out after complete
+    calls (``calls_complete``); a first call cut off ends with "length"."""
+    if finish == "stop" or (finish == "length" and calls_complete(calls)):
         return "tool_calls"
     return finish
 

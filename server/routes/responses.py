@@ -23,8 +23,8 @@ from server.engine.engine import StepOutput
 from server.errors import APIError
 from server.routes.generation import (
     Choice,
-    cache_salt,
     Constraint,
+    cache_salt,
     collect,
     new_id,
     remember,
@@ -42,7 +42,7 @@ from server.schemas import ChatCompletionRequest
 from server.schemas_responses import ResponsesRequest
 from server.sessions import tenant_key
 from server.state import state_of
-from tokenizer.tools import ToolCall, ToolCallReader, read_tool_calls
+from tokenizer.tools import ToolCall, ToolCallReader, calls_complete, read_tool_calls
 
 router = APIRouter()
 
@@ -125,7 +125,7 @@ def _as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _status(choice: Choice, calls: list[ToolCall] | None = None) -> str:
     """incomplete when max_output_tokens ran out, unless the answer is calls that are all complete
     (a later call it cut off is left out: ``ToolCallReader``)."""
-    if choice.finish_reason == "length" and not (calls and all(c.complete for c in calls)):
+    if choice.finish_reason == "length" and not calls_complete(calls or []):
         return "incomplete"
     return "completed"
 
