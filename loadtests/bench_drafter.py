@@ -26,13 +26,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from drafting import Drafter, NGramDrafter, SuffixDrafter
+from parrot.drafting import Drafter, NGramDrafter, SuffixDrafter
 from loadtests.bench_engine import DATA, RESULTS, machine
 
 
 def corpus_tokens(n: int) -> list[int]:
-    from server.config import ModelConfig
-    from server.engine.loader import load_transformers
+    from parrot.config import ModelConfig
+    from parrot.engine.loader import load_transformers
 
     _, tokenizer, _ = load_transformers(ModelConfig())
     tokens: list[int] = []

@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from server.config import load_config
-from server.engine.costmodel import measure_cost_curve
-from server.engine.engine import Engine, GenerationRequest, SpeculationParams
-from server.engine.loader import gguf_blocks, load_transformers, prepare
-from server.engine.sampling import SamplingParams
+from parrot.config import load_config
+from parrot.engine.costmodel import measure_cost_curve
+from parrot.engine.engine import Engine, GenerationRequest, SpeculationParams
+from parrot.engine.loader import gguf_blocks, load_transformers, prepare
+from parrot.engine.sampling import SamplingParams
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 RESULTS = Path(__file__).resolve().parent / "results"

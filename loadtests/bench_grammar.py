@@ -37,12 +37,12 @@ from typing import Any
 import jsonschema
 
 from loadtests.bench_engine import DATA, RESULTS, machine
-from server.config import load_config
-from server.engine.build import build_engine
-from server.engine.costmodel import measure_cost_curve
-from server.engine.engine import Engine, GenerationRequest, SpeculationParams
-from server.engine.sampling import SamplingParams
-from tokenizer.grammar import GrammarCompiler
+from parrot.config import load_config
+from parrot.engine.build import build_engine
+from parrot.engine.costmodel import measure_cost_curve
+from parrot.engine.engine import Engine, GenerationRequest, SpeculationParams
+from parrot.engine.sampling import SamplingParams
+from parrot.constrain.grammar import GrammarCompiler
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

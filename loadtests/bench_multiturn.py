@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{earlier['info']['date']}, {earlier['info']['cpu']}\n\n" + render(earlier["summary"], names, "parrot"))
         return 0
 
-    from server.engine.kernels import cpu_description, kernels
-    from server.engine.loader import resolve_source
+    from parrot.engine.kernels import cpu_description, kernels
+    from parrot.engine.loader import resolve_source
 
     source = resolve_source(resolve(args.model))
     gguf = os.path.join(source.path, source.gguf_file or "")
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"CPU: {info['cpu']}; GGUF {gguf} ({info['gguf_bytes'] / 1e6:.0f} MB)", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PARROT_MODEL_THREADS=str(args.threads))
-    parrot_cmd = [sys.executable, "-m", "server.cli", "serve", "--model", gguf]
+    parrot_cmd = [sys.executable, "-m", "parrot.cli", "serve", "--model", gguf]
     servers: dict[str, Server] = {}
     try:
         servers["parrot"] = Server("parrot", parrot_cmd + ["--port", str(args.port)], args.port, env,

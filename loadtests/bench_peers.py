@@ -69,8 +69,8 @@ def pass_costs(gguf: str, depth: int, sizes: list[int]) -> dict[str, Any]:
     the bytes a one-token pass reads and the memory bandwidth measured here."""
     import torch
 
-    from server.config import ModelConfig
-    from server.engine.loader import load_model
+    from parrot.config import ModelConfig
+    from parrot.engine.loader import load_model
 
     loaded = load_model(ModelConfig(source=gguf))
     forward = loaded.forward
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.kernels:
         os.environ["PARROT_KERNELS"] = args.kernels  # the Parrot server and the in-process passes
-    from server.engine.kernels import cpu_description, kernels
-    from server.engine.loader import resolve_source
+    from parrot.engine.kernels import cpu_description, kernels
+    from parrot.engine.loader import resolve_source
 
     source = resolve_source(args.gguf or "embedded")
     gguf = os.path.join(source.path, source.gguf_file or "")
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         # Without the prefix cache: each prompt goes to drafting on and off in turn, and the
         # second would reuse the first's prompt (llama.cpp's modes are separate servers); and the
         # memory rule is about the model, not about blocks cached for later requests.
-        parrot = Server("parrot", [sys.executable, "-m", "server.cli", "serve", "--model", gguf, "--prefix-cache-bytes", "0",
+        parrot = Server("parrot", [sys.executable, "-m", "parrot.cli", "serve", "--model", gguf, "--prefix-cache-bytes", "0",
                                    "--port", str(args.port)], args.port, env)
         servers.append(parrot)
         if llama_server:

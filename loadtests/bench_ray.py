@@ -6,7 +6,7 @@ Three systems on this machine, all up at once (an idle server waits on its queue
 CPU), run in turns in rotating order for ``--rounds`` rounds so that neighbours' load spreads:
 ``parrot serve`` alone (``model.threads`` = every core), and one Ray Serve instance with two
 applications: ``ray_1`` (1 replica on every core) and ``ray_2`` (2 replicas, the cores split
-between them), both behind the session-affinity gateway (server/ray_app.py). The workload: 10
+between them), both behind the session-affinity gateway (parrot/server/ray_app.py). The workload: 10
 sessions (``user`` = the session), one closed-loop client each, 10 requests per session over
 prompts from ../shared/data (two per task, greedy, streamed every other request). Per system:
 requests/s, completion tokens/s, latency p50/p95, and the ratio to the single-process server.
@@ -102,8 +102,8 @@ def start_ray(port: int, cores: int) -> None:
     import ray
     from ray import serve
 
-    from server.config import load_config
-    from server.ray_app import build_app
+    from parrot.config import load_config
+    from parrot.server.ray_app import build_app
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=cores, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False)
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = prompts(args.max_prompt_chars)
     single_port, ray_port = 8771, 8772
     env = dict(os.environ, PARROT_MODEL_THREADS=str(cores))
-    single = Server("single", [sys.executable, "-m", "server.cli", "serve", "--port", str(single_port)], single_port, env=env)
+    single = Server("single", [sys.executable, "-m", "parrot.cli", "serve", "--port", str(single_port)], single_port, env=env)
     try:
         start_ray(ray_port, cores)
         single.wait()

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from tokenizer import AppendingEncoder, IntervalCounter, TokenBudget, Tokenizer, load_tokenizer
+from parrot.tokenizer import AppendingEncoder, IntervalCounter, TokenBudget, Tokenizer, load_tokenizer
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with open(DATA / "code_edit.jsonl") as f:
         rows = [json.loads(line) for line in f][: args.rows]
-    server = Server("bench_tools", [sys.executable, "-m", "server.cli", "serve", "--model", args.model,
+    server = Server("bench_tools", [sys.executable, "-m", "parrot.cli", "serve", "--model", args.model,
                                     "--port", str(args.port)], args.port, dict(os.environ))
     runs = []
     try:

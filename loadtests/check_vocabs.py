@@ -55,13 +55,13 @@ def test_vectors(vocab_path: Path) -> list[tuple[str, list[int]]]:
 
 
 def windowed_decode(tokenizer: Any, vectors: list[tuple[str, list[int]]], specials: list[int]) -> str:
-    """Token streams through the server's text assembly (server/engine/textout.py, which decodes
+    """Token streams through the server's text assembly (parrot/engine/textout.py, which decodes
     a window of the last tokens), a few tokens per step: "exact" when its text equals a whole
     decode after every step and what it sends adds up to the whole text, else where it differs.
     Streams: the tests' ids one after another, the same with special tokens mixed in, random ids."""
     import random
 
-    from server.engine.textout import TextAssembler
+    from parrot.engine.textout import TextAssembler
 
     rng = random.Random(0)
     tests = [t for _, ids in vectors for t in ids]
@@ -83,9 +83,9 @@ def windowed_decode(tokenizer: Any, vectors: list[tuple[str, list[int]]], specia
 
 
 def check_vocabulary(vocab_path: Path) -> dict[str, Any]:
-    from tokenizer.bpe import UnsupportedTokenizer
-    from tokenizer.gguf_vocab import CONTROL, USER_DEFINED, GGUFVocabulary
-    from tokenizer.loader import load_tokenizer
+    from parrot.tokenizer.bpe import UnsupportedTokenizer
+    from parrot.tokenizer.gguf_vocab import CONTROL, USER_DEFINED, GGUFVocabulary
+    from parrot.tokenizer.loader import load_tokenizer
 
     begin = time.perf_counter()
     row: dict[str, Any] = {"vocab": vocab_path.name.removeprefix("ggml-vocab-").removesuffix(".gguf")}
@@ -124,7 +124,7 @@ def serve_family(models: Path, vocab: str, port: int, workdir: Path) -> dict[str
     write(str(gguf), "tiny", "Q8_0", arch=arch, vocab_file=str(vocab_path),
           chat_template=str(models / "templates" / template) if template else None)
     log = workdir / f"serve-{vocab}.log"
-    server = Server(f"parrot-{vocab}", [sys.executable, "-m", "server.cli", "serve", "--model", str(gguf),
+    server = Server(f"parrot-{vocab}", [sys.executable, "-m", "parrot.cli", "serve", "--model", str(gguf),
                                         "--port", str(port)], port, log=log)
     row: dict[str, Any] = {"vocab": vocab, "arch": arch, "gguf_mb": round(gguf.stat().st_size / 1e6)}
     try:

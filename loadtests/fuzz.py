@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{args.port}"
         env = {**os.environ, "PARROT_SERVER_MAX_COMPLETION_TOKENS": str(args.max_tokens),
                "PARROT_SERVER_REQUEST_TIMEOUT_S": str(args.request_timeout)}
-        process = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(args.port)], env=env)
+        process = subprocess.Popen([sys.executable, "-m", "parrot.cli", "serve", "--port", str(args.port)], env=env)
         _wait_healthy(url, process)
     start = time.monotonic()
     try:

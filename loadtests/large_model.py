@@ -57,9 +57,9 @@ def in_process(path: str, depth: int, prompt: int, decode: int = 64, rounds: int
     loop alternates with ``llama-bench -n`` runs when given its path."""
     import torch
 
-    import server.app  # noqa: F401  (the server's modules: part of the baseline, as in `parrot serve`)
-    from server.config import ModelConfig
-    from server.engine.loader import load_model, resident_bytes
+    import parrot.server.app  # noqa: F401  (the server's modules: part of the baseline, as in `parrot serve`)
+    from parrot.config import ModelConfig
+    from parrot.engine.loader import load_model, resident_bytes
 
     baseline = resident_bytes()
     forward = load_model(ModelConfig(source=path)).forward
@@ -112,7 +112,7 @@ def run(params: str = "1B", kind: str = "Q4_K_M", llama_bench_bin: str | None = 
                               "threads": threads, "max_tokens": max_tokens, "depth": depth, "prompt_tokens": prompt}
     # 1. Served plain decoding, interleaved with llama-bench's decode loop.
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    server = Server(f"parrot_{params}", [sys.executable, "-m", "server.cli", "serve", "--model", path, "--port", str(port)],
+    server = Server(f"parrot_{params}", [sys.executable, "-m", "parrot.cli", "serve", "--model", path, "--port", str(port)],
                     port, env)
     served, theirs = [], []
     try:

@@ -28,11 +28,11 @@ TASKS = ["summarization", "context_qa", "grammar", "code_edit", "open_chat"]
 
 
 def compare(prompts: list[str], max_tokens: int = 64, activations: str = "q8") -> dict[str, Any]:
-    from server.config import DraftingConfig, ModelConfig
-    from server.engine.costmodel import measure_cost_curve
-    from server.engine.engine import Engine, GenerationRequest
-    from server.engine.loader import gguf_blocks, load_transformers, prepare
-    from server.engine.sampling import SamplingParams
+    from parrot.config import DraftingConfig, ModelConfig
+    from parrot.engine.costmodel import measure_cost_curve
+    from parrot.engine.engine import Engine, GenerationRequest
+    from parrot.engine.loader import gguf_blocks, load_transformers, prepare
+    from parrot.engine.sampling import SamplingParams
 
     source, tokenizer, hf_model = load_transformers(ModelConfig())
     loaded = prepare(hf_model, tokenizer, source.display_name, blocks=gguf_blocks(source, hf_model),

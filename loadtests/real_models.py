@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.engine.paths import cache_root
+from parrot.engine.paths import cache_root
 
 
 @dataclass(frozen=True)

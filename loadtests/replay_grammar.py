@@ -31,16 +31,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from drafting import DraftSizer, DraftSlot
+from parrot.drafting import DraftSizer, DraftSlot
 from loadtests.bench_engine import RESULTS, machine
 from loadtests.bench_grammar import CONFIGS, SCHEMA, extraction_prompts
 from loadtests.scripted import ScriptedForward
-from server.config import DraftingConfig, load_config
-from server.engine.costmodel import measure_cost_curve
-from server.engine.engine import Engine, GenerationRequest
-from server.engine.loader import load_model
-from server.engine.sampling import SamplingParams
-from tokenizer.grammar import GrammarCompiler
+from parrot.config import DraftingConfig, load_config
+from parrot.engine.costmodel import measure_cost_curve
+from parrot.engine.engine import Engine, GenerationRequest
+from parrot.engine.loader import load_model
+from parrot.engine.sampling import SamplingParams
+from parrot.constrain.grammar import GrammarCompiler
 
 CACHE = Path.home() / ".cache" / "parrot" / "replay_grammar_outputs.json"
 

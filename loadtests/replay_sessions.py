@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [json.loads(line) for line in f][: args.rows]
     config = Path(tempfile.mkdtemp()) / "sessions.toml"
     config.write_text("[server]\nsession_drafting = true\n")
-    server = Server("replay_sessions", [sys.executable, "-m", "server.cli", "serve", "--config", str(config),
+    server = Server("replay_sessions", [sys.executable, "-m", "parrot.cli", "serve", "--config", str(config),
                                         "--port", str(args.port)], args.port, dict(os.environ))
     runs = []
     try:

@@ -29,14 +29,14 @@ from typing import Any
 from loadtests.bench_engine import DATA, RESULTS, machine
 from loadtests.bench_tools import WRITE_FILE
 from loadtests.scripted import ScriptedForward
-from server.config import DraftingConfig, load_config
-from server.engine.costmodel import measure_cost_curve
-from server.engine.engine import Engine, GenerationRequest, SpeculationParams
-from server.engine.loader import load_model
-from server.engine.sampling import SamplingParams
-from server.routes.generation import escaped_context
-from tokenizer.grammar import GrammarCompiler
-from tokenizer.tools import call_text, tool_grammar
+from parrot.config import DraftingConfig, load_config
+from parrot.engine.costmodel import measure_cost_curve
+from parrot.engine.engine import Engine, GenerationRequest, SpeculationParams
+from parrot.engine.loader import load_model
+from parrot.engine.sampling import SamplingParams
+from parrot.server.routes.generation import escaped_context
+from parrot.constrain.grammar import GrammarCompiler
+from parrot.constrain.tools import call_text, tool_grammar
 
 MODES = {"off": (False, False), "on, prompt as sent": (True, False), "on, + escaped view": (True, True)}
 

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     url = args.url
     if url is None:
-        server = Server("schemas_survey", [sys.executable, "-m", "server.cli", "serve", "--port", str(args.port)],
+        server = Server("schemas_survey", [sys.executable, "-m", "parrot.cli", "serve", "--port", str(args.port)],
                         args.port, dict(os.environ))
         server.wait()
         url = server.url

@@ -4,7 +4,7 @@ Greedy output does not depend on drafting, so once a request's output is known, 
 engine decides while producing it (forced tokens, drafts, draft lengths, what is accepted) can be
 replayed without the model: feed the engine this forward with ``script = prompt + output``.
 Used by ``loadtests/replay_grammar.py`` and by engine tests that need exact token sequences in
-front of the real tokenizer and grammar engine. It implements ``server.engine.backend.Forward``.
+front of the real tokenizer and grammar engine. It implements ``parrot.engine.backend.Forward``.
 """
 
 from __future__ import annotations

@@ -361,7 +361,7 @@ def start_server(port: int, request_timeout: float, fixed_drafts: int, log: Path
     if fixed_drafts:
         env.update(PARROT_DRAFTING_ADAPTIVE="false", PARROT_DRAFTING_MAX_DRAFT=str(fixed_drafts))
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+        return subprocess.Popen([sys.executable, "-m", "parrot.cli", "serve", "--port", str(port)],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
 
 

@@ -143,7 +143,7 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def _parse_size(text: str) -> int:
-    from server.cli import byte_size
+    from parrot.cli import byte_size
     return byte_size(text)
 
 
@@ -158,10 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RESULTS / "soak_prefix.json"))
     args = parser.parse_args(argv)
 
-    from server.engine.kernels import cpu_description
+    from parrot.engine.kernels import cpu_description
 
     convs = plan(args.conversations, args.seed, args.max_chars)
-    command = [sys.executable, "-m", "server.cli", "serve"]
+    command = [sys.executable, "-m", "parrot.cli", "serve"]
     cached = Server("cached", command + ["--port", str(args.port), "--prefix-cache-bytes", str(args.budget)], args.port,
                     log=RESULTS / "soak_prefix_cached.log")
     plain = Server("plain", command + ["--port", str(args.port + 1), "--prefix-cache-bytes", "0"], args.port + 1,
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         plain.stop()
     summary = summarize(records)
     # The running requests' KV caches: max_running of them, each as long as the longest request.
-    from server.config import load_config
+    from parrot.config import load_config
 
     max_running = load_config().server.max_running
     bytes_per_position = 30 * 2 * 3 * 64 * 2  # the embedded model: layers x k/v x kv heads x head dim x fp16

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import server  # noqa: F401  (sets OMP_WAIT_POLICY before torch starts its thread pool)
+import parrot  # noqa: F401  (sets OMP_WAIT_POLICY before torch starts its thread pool)
 
 import importlib.util
 import os
@@ -31,7 +31,7 @@ def fixed_cost_curve(passes: int) -> list[float]:
 
 @pytest.fixture(scope="session")
 def embedded_tokenizer():
-    from tokenizer import load_tokenizer
+    from parrot.tokenizer import load_tokenizer
 
     directory, name = embedded_gguf()
     return load_tokenizer(directory, name)
@@ -40,8 +40,8 @@ def embedded_tokenizer():
 @pytest.fixture(scope="session")
 def embedded_transformers():
     """(tokenizer, transformers model) of the embedded model: the reference for exactness tests."""
-    from server.config import ModelConfig
-    from server.engine.loader import load_transformers
+    from parrot.config import ModelConfig
+    from parrot.engine.loader import load_transformers
 
     _, tokenizer, hf_model = load_transformers(ModelConfig())
     return tokenizer, hf_model
@@ -50,9 +50,9 @@ def embedded_transformers():
 @pytest.fixture(scope="session")
 def embedded_engine(embedded_transformers):
     """Parrot's engine on the embedded model (native forward built from the same weights)."""
-    from server.config import DraftingConfig
-    from server.engine.engine import Engine
-    from server.engine.loader import gguf_blocks, prepare, resolve_source
+    from parrot.config import DraftingConfig
+    from parrot.engine.engine import Engine
+    from parrot.engine.loader import gguf_blocks, prepare, resolve_source
 
     tokenizer, hf_model = embedded_transformers
     # The same forward `parrot serve` builds: GGUF block kernels for small passes when the CPU has them.
@@ -66,8 +66,8 @@ def embedded_engine(embedded_transformers):
 def embedded_engine_float32(embedded_transformers, embedded_engine):
     """The embedded model with float32 activations in the block kernels (model.activations =
     float32): the configuration whose logits follow transformers float32 to ~1e-4."""
-    from server.engine.engine import Engine
-    from server.engine.loader import gguf_blocks, prepare, resolve_source
+    from parrot.engine.engine import Engine
+    from parrot.engine.loader import gguf_blocks, prepare, resolve_source
 
     tokenizer, hf_model = embedded_transformers
     blocks = gguf_blocks(resolve_source("embedded"), hf_model)
@@ -79,7 +79,7 @@ def embedded_engine_float32(embedded_transformers, embedded_engine):
 @pytest.fixture(scope="session")
 def token_budget(embedded_tokenizer):
     """TokenBudget over the embedded tokenizer, default settings."""
-    from tokenizer import TokenBudget
+    from parrot.tokenizer import TokenBudget
 
     return TokenBudget(embedded_tokenizer)
 
@@ -88,7 +88,7 @@ def token_budget(embedded_tokenizer):
 def small_piece_budget(embedded_tokenizer):
     """TokenBudget that treats every piece over 4 characters as long, so that short test texts
     exercise the linear prefix/suffix/interval tables."""
-    from tokenizer import TokenBudget
+    from parrot.tokenizer import TokenBudget
 
     return TokenBudget(embedded_tokenizer, long_piece=4)
 
@@ -101,7 +101,7 @@ class RunningServer:
 
         import uvicorn
 
-        from server.app import DrainingServer
+        from parrot.server.app import DrainingServer
 
         self.app = app
         self.url = f"http://127.0.0.1:{port}"
@@ -139,8 +139,8 @@ def free_port() -> int:
 
 
 def engine_builder(engine, loaded_name: str):
-    """An ``EngineBuilder`` (``server.app``) that serves ``engine``, already loaded."""
-    from server.engine.loader import LoadedModel
+    """An ``EngineBuilder`` (``parrot.server.app``) that serves ``engine``, already loaded."""
+    from parrot.engine.loader import LoadedModel
 
     forward = engine.forward
     loaded = LoadedModel(forward=forward, tokenizer=engine.tokenizer, name=loaded_name, device=forward.device,
@@ -150,8 +150,8 @@ def engine_builder(engine, loaded_name: str):
 
 def start_server(engine, loaded_name: str = "SmolLM2-135M-Instruct", **server_settings) -> RunningServer:
     """Serve ``engine`` (already loaded) through the real app on a free port."""
-    from server.app import create_app
-    from server.config import Config, ServerConfig
+    from parrot.server.app import create_app
+    from parrot.config import Config, ServerConfig
 
     config = Config(server=ServerConfig(**server_settings))
     app = create_app(config, builder=engine_builder(engine, loaded_name))

@@ -4,13 +4,13 @@ pass sleeps ``--delay`` seconds, so that requests stay in flight long enough to 
 
 from __future__ import annotations
 
-import server  # noqa: F401  (sets OMP_WAIT_POLICY before torch starts its thread pool)
+import parrot  # noqa: F401  (sets OMP_WAIT_POLICY before torch starts its thread pool)
 
 import argparse
 import logging
 
-from server.app import serve
-from server.config import Config, DraftingConfig, ServerConfig
+from parrot.server.app import serve
+from parrot.config import Config, DraftingConfig, ServerConfig
 from tests.conftest import engine_builder
 from tests.tiny import SlowForward, tiny_engine
 

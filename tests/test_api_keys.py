@@ -1,4 +1,4 @@
-"""API keys (server/auth.py) on the tiny model behind the real app: a /v1/ request without a key,
+"""API keys (parrot/server/auth.py) on the tiny model behind the real app: a /v1/ request without a key,
 or with a wrong one, gets a 401 in OpenAI's error shape and reaches nothing; any configured key
 (given, or from a key file) is served; /health and /metrics stay open unless protected; keys are
 compared in constant time; PARROT_API_KEY names the key as PARROT_SERVER_API_KEY does."""
@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
-from server.app import create_app
-from server.auth import KeyChecker, read_keys
-from server.config import Config, DraftingConfig, ServerConfig, load_config
+from parrot.server.app import create_app
+from parrot.server.auth import KeyChecker, read_keys
+from parrot.config import Config, DraftingConfig, ServerConfig, load_config
 from tests.conftest import RunningServer, engine_builder, free_port, start_server
 from tests.tiny import tiny_engine
 

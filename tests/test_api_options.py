@@ -11,7 +11,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from server.config import DraftingConfig
+from parrot.config import DraftingConfig
 from tests.conftest import start_server
 from tests.tiny import tiny_engine
 

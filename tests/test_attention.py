@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.kernels import available_isas, kernels
-from server.engine.llama import LlamaForward
+from parrot.engine.kernels import available_isas, kernels
+from parrot.engine.llama import LlamaForward
 from tests.tiny import tiny_hf_model
 
 each_isa = pytest.mark.parametrize("isa", available_isas())

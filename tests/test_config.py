@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.config import load_config
+from parrot.config import load_config
 
 
 def test_defaults_come_from_configs_default_toml():

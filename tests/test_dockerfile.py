@@ -67,7 +67,7 @@ def test_layers_put_torch_and_dependencies_before_the_source():
 
     torch = first("RUN", "torch==2.13.0")
     dependencies = first("RUN", "requirements.txt")
-    source = first("COPY", "server")
+    source = first("COPY", "parrot ")
     assert torch < dependencies < source
     assert "--index-url" in steps[torch][1]  # the CPU (or CUDA) wheel index, never PyPI's CUDA-pulling torch
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from drafting import (
+from parrot.drafting import (
     AcceptanceStats,
     Draft,
     DrafterSettings,

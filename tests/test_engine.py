@@ -14,17 +14,17 @@ from collections import Counter
 import pytest
 import torch
 
-from drafting import Draft, DrafterSettings, DraftSlot, register_drafter
+from parrot.drafting import Draft, DrafterSettings, DraftSlot, register_drafter
 from loadtests.scripted import ScriptedForward
-from server.config import DraftingConfig
-from server.engine.backend import Forward, KVCache
-from server.engine.engine import GenerationRequest, SpeculationParams
-from server.engine.errors import ContextWindowExceeded, EmptyPrompt, EngineError
-from server.engine.sampling import Sampler, SamplingParams, target_probs
-from server.engine.scheduler import OutputLatency, RequestHandle, Scheduler
+from parrot.config import DraftingConfig
+from parrot.engine.backend import Forward, KVCache
+from parrot.engine.engine import GenerationRequest, SpeculationParams
+from parrot.engine.errors import ContextWindowExceeded, EmptyPrompt, EngineError
+from parrot.engine.sampling import Sampler, SamplingParams, target_probs
+from parrot.engine.scheduler import OutputLatency, RequestHandle, Scheduler
 from tests.tiny import EOS, chi_square_below_quantile, sampled_pairs, tiny_engine, tiny_hf_model
-from server.engine.llama import LlamaForward
-from server.engine.hf_runner import HFForward
+from parrot.engine.llama import LlamaForward
+from parrot.engine.hf_runner import HFForward
 
 FORCED = DraftingConfig(adaptive=False, max_draft=8)  # always draft what the drafter proposes
 
@@ -119,7 +119,7 @@ def test_rotary_tables_filled_as_sequences_reach_equal_the_whole_table(rope):
     again = forward.forward([(forward.new_cache(600), list(range(1, 64)) * 8, 1)])[0]
     assert torch.equal(logits, again)
     if rope is None:  # the tables a GGUF on the kernels gets without transformers' modules
-        from server.engine.llama import RotaryTables
+        from parrot.engine.llama import RotaryTables
 
         for theta in (10000.0, 100000.0, 500000.0):
             model.config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
@@ -412,7 +412,7 @@ def test_an_eos_after_a_stop_string_in_the_same_pass_is_not_output():
     next as the pass's bonus token: the output ends at the stop string's token, without that EOS
     (plain decoding never reaches it). The output once kept it: one token more than with
     drafting off. Found by tests/test_engine_properties.py."""
-    from server.engine.engine import Engine
+    from parrot.engine.engine import Engine
     from tests.tiny import TinyTokenizer
 
     prompt, answer = [1, 2, 3], [4, 5, 6, EOS]  # "abc", then "def" and EOS
@@ -500,7 +500,7 @@ def test_scheduler_hands_over_outputs_snapshots_latencies_and_typed_errors():
 def test_the_scheduler_gives_freed_memory_back_when_it_goes_idle_and_never_while_requests_run(monkeypatch):
     """Freed KV caches stayed in glibc's heap: the soak saw resident memory 50-150 MB above what the
     server used. The scheduler now releases it whenever nothing runs or waits any more."""
-    import server.engine.scheduler as scheduler_module
+    import parrot.engine.scheduler as scheduler_module
 
     engine = tiny_engine("native", FORCED)
     scheduler = Scheduler(engine, max_running=2, max_queue=4)
@@ -536,7 +536,7 @@ def test_the_scheduler_gives_freed_memory_back_when_it_goes_idle_and_never_while
 
 
 def test_engine_errors_map_to_http_statuses_by_type_not_by_message():
-    from server.routes.generation import _engine_error
+    from parrot.server.routes.generation import _engine_error
 
     too_long = _engine_error(ContextWindowExceeded(500, 20, 512))
     assert (too_long.status, too_long.code) == (400, "context_length_exceeded")

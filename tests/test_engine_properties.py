@@ -46,15 +46,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drafting import Draft, DrafterSettings, DraftSlot, new_drafter, register_drafter
-from server.config import DraftingConfig
-from server.engine.engine import Engine, Generation, GenerationRequest, SpeculationParams
-from server.engine.llama import LlamaForward
-from server.engine.sampling import SamplingParams
-from server.schema_check import SchemaCheck
+from parrot.drafting import Draft, DrafterSettings, DraftSlot, new_drafter, register_drafter
+from parrot.config import DraftingConfig
+from parrot.engine.engine import Engine, Generation, GenerationRequest, SpeculationParams
+from parrot.engine.llama import LlamaForward
+from parrot.engine.sampling import SamplingParams
+from parrot.constrain.schema_check import SchemaCheck
 from tests.conftest import fixed_cost_curve
 from tests.tiny import tiny_hf_model
-from tokenizer.grammar import Grammar, GrammarCompiler
+from parrot.constrain.grammar import Grammar, GrammarCompiler
 
 SCHEMAS_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "schemas.jsonl"
 EXAMPLES = int(os.environ.get("PARROT_PROPERTY_EXAMPLES", "0"))

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.config import DraftingConfig
+from parrot.config import DraftingConfig
 from tests.conftest import free_port, start_server
 from tests.tiny import SlowForward, tiny_engine
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from loadtests.make_synthetic_gguf import LLAMA3_ROPE, write
-from server.config import ModelConfig
-from server.engine.loader import load_gguf_native, load_transformers, resolve_source
+from parrot.config import ModelConfig
+from parrot.engine.loader import load_gguf_native, load_transformers, resolve_source
 
 PROMPT = torch.randint(100, 40000, (600,), generator=torch.Generator().manual_seed(5)).tolist()
 

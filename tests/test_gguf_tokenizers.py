@@ -13,8 +13,8 @@ from functools import lru_cache
 
 import pytest
 
-from server.engine.loader import resolve_source
-from tokenizer.loader import UnsupportedTokenizerError, load_tokenizer
+from parrot.engine.loader import resolve_source
+from parrot.tokenizer.loader import UnsupportedTokenizerError, load_tokenizer
 
 
 @lru_cache(maxsize=1)
@@ -129,7 +129,7 @@ def test_a_sentencepiece_vocabulary_without_a_space_prefix_gets_none(tmp_path):
 
 
 def byte_level_gguf(directory: str, pre: str, specials: tuple[str, ...] = ("<|endoftext|>", "<|im_end|>")) -> str:
-    from tokenizer.bpe import bytes_to_unicode
+    from parrot.tokenizer.bpe import bytes_to_unicode
 
     byte_chars = list(bytes_to_unicode().values())
     tokens = [*byte_chars, "ab", "abc", *specials]
@@ -164,7 +164,7 @@ def test_vocabularies_with_every_byte_lose_no_character_without_the_budget(tmp_p
     # /v1/tokenize reports lost characters; for a vocabulary the budget does not implement it
     # still answers when every byte has a token (SentencePiece byte fallback here; Llama 3's and
     # Qwen2's byte-level vocabularies likewise), and refuses where it cannot know.
-    from tokenizer.bpe import UnsupportedTokenizer
+    from parrot.tokenizer.bpe import UnsupportedTokenizer
 
     spm = load_tokenizer(str(tmp_path), os.path.basename(sentencepiece_gguf(str(tmp_path))))
     with pytest.raises(UnsupportedTokenizer):
@@ -195,7 +195,7 @@ def test_a_new_file_is_converted_in_a_child_process_and_a_refusal_comes_back(tmp
     # process (its modelling imports would otherwise stay resident in the server), and reads the
     # cached copy here; a tokenizer the child refuses is refused here, by name.
     from loadtests.make_synthetic_gguf import write
-    from server.engine import loader
+    from parrot.engine import loader
 
     monkeypatch.setenv("PARROT_CACHE_DIR", str(tmp_path / "cache"))
     children = []
@@ -227,7 +227,7 @@ def test_merges_saved_as_strings_read_to_the_same_tokenizer(tmp_path, embedded_t
     are the same JSON. A merge whose parts hold a space keeps the pair form."""
     from tokenizers import Tokenizer
 
-    from tokenizer.loader import write_merges_as_strings
+    from parrot.tokenizer.loader import write_merges_as_strings
 
     embedded_tokenizer.hf.save_pretrained(tmp_path)
     path = str(tmp_path / "tokenizer.json")

@@ -10,9 +10,9 @@ import httpx
 import jsonschema
 import pytest
 
-from server.engine.engine import GenerationRequest, SpeculationParams
-from server.engine.sampling import SamplingParams
-from tokenizer.grammar import GrammarCompiler, GrammarError, canonical_prefix
+from parrot.engine.engine import GenerationRequest, SpeculationParams
+from parrot.engine.sampling import SamplingParams
+from parrot.constrain.grammar import GrammarCompiler, GrammarError, canonical_prefix
 
 pytestmark = pytest.mark.real_model
 
@@ -286,8 +286,8 @@ def test_held_back_forced_bytes_are_spelled_as_the_model_began_them_before(compi
 
 
 def _scripted_engine(tokenizer, prompt: str, output_pieces: list[str], drafting: bool = True):
-    from server.config import DraftingConfig
-    from server.engine.engine import Engine
+    from parrot.config import DraftingConfig
+    from parrot.engine.engine import Engine
     from loadtests.scripted import ScriptedForward
 
     prompt_ids = tokenizer.encode(prompt)

@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.textdiff import apply_edits
+from parrot.server.textdiff import apply_edits
 from tests.conftest import start_server
 
 pytestmark = pytest.mark.real_model
@@ -281,7 +281,7 @@ def test_metrics_parse_and_counters_move(http_server, client):
 
 
 def test_inference_gateway_metrics_follow_a_running_request(http_server):
-    """The model-server protocol's gauges (server/metrics.py): queued and running requests, and
+    """The model-server protocol's gauges (parrot/server/metrics.py): queued and running requests, and
     the KV positions held over max_running context windows, while a stream runs and after."""
     url = http_server.url
     types = {f.name: f.type for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}

@@ -1,5 +1,6 @@
-"""Imports between Parrot's packages point one way: no module of `server`, `drafting`,
-`tokenizer` or `loadtests` imports, directly or through others, a module that imports it back.
+"""Imports between Parrot's packages point one way: no module of `parrot` or `loadtests`
+imports, directly or through others, a module that imports it back, and the parts of `parrot`
+import each other only downwards (``LAYERS``).
 
 The graph is read from the source with `ast`, not by importing, so it counts every import: at
 module level, inside functions (the lazy imports that hide a cycle from Python) and under
@@ -12,7 +13,20 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("server", "drafting", "tokenizer", "loadtests")
+PACKAGES = ("parrot", "loadtests")
+# Which parts of parrot each part may import (a part is parrot's first-level module or package).
+# Upwards arrows (the tokenizer importing the engine, the engine importing the HTTP server) are
+# what make a piece impossible to reuse or test alone.
+LAYERS = {
+    "parrot": set(),  # the package's __init__: environment set-up only
+    "parrot.drafting": set(),  # pure Python over token ids
+    "parrot.tokenizer": set(),
+    "parrot.constrain": {"parrot.tokenizer"},
+    "parrot.config": {"parrot.drafting"},  # validates drafter names against the registry
+    "parrot.engine": {"parrot.config", "parrot.drafting", "parrot.tokenizer", "parrot.constrain"},
+    "parrot.server": {"parrot.config", "parrot.engine", "parrot.drafting", "parrot.tokenizer", "parrot.constrain"},
+    "parrot.cli": {"parrot.config", "parrot.engine", "parrot.server"},
+}
 
 
 def module_files() -> dict[str, Path]:
@@ -29,8 +43,9 @@ def module_files() -> dict[str, Path]:
 
 def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The modules of the packages that ``name`` imports, resolved to the most specific module:
-    ``from tokenizer.budget import TokenBudget`` -> tokenizer.budget, ``from server.routes import
-    tasks`` -> server.routes.tasks, ``from tokenizer import Tokenizer`` -> tokenizer."""
+    ``from parrot.tokenizer.budget import TokenBudget`` -> parrot.tokenizer.budget, ``from
+    parrot.server.routes import tasks`` -> parrot.server.routes.tasks, ``from parrot.tokenizer import
+    Tokenizer`` -> parrot.tokenizer."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
@@ -130,8 +145,22 @@ def test_graph_resolves_relative_absolute_and_function_level_imports(tmp_path):
     assert cycles(graph) == [["pkg.a", "pkg.sub.c", "pkg.a"]]
 
 
-def test_no_import_cycles_in_server_drafting_tokenizer_loadtests():
+def test_no_import_cycles_in_parrot_and_loadtests():
     graph = import_graph()
-    assert "server.app" in graph and "tokenizer.budget" in graph and "loadtests.peers" in graph  # found them all
+    assert "parrot.server.app" in graph and "parrot.tokenizer.budget" in graph and "loadtests.peers" in graph  # found them all
     found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in found)
+
+
+def part(module: str) -> str | None:
+    """parrot's first-level part a module belongs to (None outside parrot)."""
+    parts = module.split(".")
+    return None if parts[0] != "parrot" else ".".join(parts[:2])
+
+
+def test_parts_of_parrot_import_only_downwards():
+    graph = import_graph()
+    assert set(LAYERS) == {part(m) for m in graph if part(m)}, "a new part of parrot needs its row in LAYERS"
+    upwards = sorted(f"{source} -> {target}" for source, targets in graph.items() if part(source)
+                     for target in targets if part(target) != part(source) and part(target) not in LAYERS[part(source)])
+    assert not upwards, "imports against the layering:\n" + "\n".join(upwards)

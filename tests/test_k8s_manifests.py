@@ -27,7 +27,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from server.config import load_config
+from parrot.config import load_config
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # Ray 2.60's pydantic-v1-style Field(...) arguments
@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
 # The newest Kubernetes whose schemas kubernetes-validate 1.37 ships.
 KUBERNETES_VERSION = "1.37"
-# server.ray_app.build(args) takes these keys (the interface rayservice.yaml is written against).
+# parrot.server.ray_app.build(args) takes these keys (the interface rayservice.yaml is written against).
 RAY_APP_ARGS = {"replicas", "max_replicas", "model", "threads", "config"}
-# uvicorn's timeout_graceful_shutdown after the drain (server/app.py).
+# uvicorn's timeout_graceful_shutdown after the drain (parrot/server/app.py).
 UVICORN_GRACEFUL_S = 5
 
 Manifest = dict[str, Any]
@@ -222,7 +222,7 @@ def test_serve_config_is_valid_for_ray_serve_and_calls_the_parrot_builder():
     config = check_serve_config(doc["spec"]["serveConfigV2"])
     assert config.http_options.host == "0.0.0.0" and config.http_options.port == 8000
     (app,) = config.applications
-    assert app.import_path == "server.ray_app:build" and app.route_prefix == "/"
+    assert app.import_path == "parrot.server.ray_app:build" and app.route_prefix == "/"
     assert set(app.args) <= RAY_APP_ARGS, set(app.args) - RAY_APP_ARGS
     assert app.args["model"] == "embedded"
     assert 1 <= app.args["replicas"] <= app.args["max_replicas"]

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from server import cli
-from server.engine import loader
-from server.engine.loader import ModelTooLargeError, check_memory, resolve_source
+from parrot import cli
+from parrot.engine import loader
+from parrot.engine.loader import ModelTooLargeError, check_memory, resolve_source
 
 
 def _embedded_gguf() -> str:
@@ -50,8 +50,8 @@ def test_a_gguf_loaded_onto_the_kernels_computes_what_the_transformers_path_does
     # forward built from the transformers model and its verified blocks.
     import torch
 
-    from server.config import ModelConfig
-    from server.engine.loader import load_gguf_native
+    from parrot.config import ModelConfig
+    from parrot.engine.loader import load_gguf_native
 
     native = load_gguf_native(resolve_source("embedded"), ModelConfig())
     assert native is not None and native.forward.native is not None and native.forward.embed is None
@@ -67,7 +67,7 @@ def test_a_second_conversion_into_the_same_cache_directory_lands_beside_the_firs
     # The kernels' tokenizer-and-config conversion and transformers' full-model conversion of one
     # file share a cache directory; the second used to fail on the first's ("directory not
     # empty") and so converted again on every load.
-    from server.engine.loader import _publish
+    from parrot.engine.loader import _publish
 
     target = tmp_path / "converted"
     for name, files in (("first", ["config.json", "tokenizer.json"]), ("second", ["model.safetensors", "config.json"])):

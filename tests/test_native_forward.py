@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.config import DraftingConfig
-from server.engine.engine import Engine, GenerationRequest
-from server.engine.kernels import available_isas
-from server.engine.llama import LlamaForward
-from server.engine.quant import BlockWeight
-from server.engine.sampling import SamplingParams
+from parrot.config import DraftingConfig
+from parrot.engine.engine import Engine, GenerationRequest
+from parrot.engine.kernels import available_isas
+from parrot.engine.llama import LlamaForward
+from parrot.engine.quant import BlockWeight
+from parrot.engine.sampling import SamplingParams
 from tests.tiny import TinyTokenizer, tiny_hf_model
 
 each_isa = pytest.mark.parametrize("isa", available_isas())

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from server.config import DraftingConfig
-from server.engine.engine import GenerationRequest, SpeculationParams
-from server.engine.sampling import Penalties, SamplingParams
+from parrot.config import DraftingConfig
+from parrot.engine.engine import GenerationRequest, SpeculationParams
+from parrot.engine.sampling import Penalties, SamplingParams
 from tests.tiny import chi_square_below_quantile, sampled_pairs, tiny_engine
 
 FORCED = DraftingConfig(adaptive=False, max_draft=8)  # always draft what the drafter proposes

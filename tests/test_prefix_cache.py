@@ -1,4 +1,4 @@
-"""The prefix cache (server/engine/prefix_cache.py): a request that starts with the tokens of an
+"""The prefix cache (parrot/engine/prefix_cache.py): a request that starts with the tokens of an
 earlier one reuses their KV, and that changes nothing it computes.
 
 Properties, on the tiny model quantised to blocks for every kernel set this CPU runs:
@@ -21,14 +21,14 @@ import dataclasses
 import pytest
 import torch
 
-from server.config import DraftingConfig
-from server.engine.backend import KVLayout
-from server.engine.engine import Engine, GenerationRequest
-from server.engine.interface import CacheScope, SpeculationParams
-from server.engine.kernels import available_isas
-from server.engine.llama import LlamaForward
-from server.engine.prefix_cache import PrefixCache, block_keys
-from server.engine.sampling import SamplingParams
+from parrot.config import DraftingConfig
+from parrot.engine.backend import KVLayout
+from parrot.engine.engine import Engine, GenerationRequest
+from parrot.engine.interface import CacheScope, SpeculationParams
+from parrot.engine.kernels import available_isas
+from parrot.engine.llama import LlamaForward
+from parrot.engine.prefix_cache import PrefixCache, block_keys
+from parrot.engine.sampling import SamplingParams
 from tests.test_native_forward import quantized_tiny_model
 from tests.tiny import TinyTokenizer
 

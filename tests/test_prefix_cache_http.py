@@ -12,10 +12,10 @@ import uuid
 import httpx
 import pytest
 
-from server.app import create_app
-from server.config import Config, PrefixCacheConfig
-from server.engine.engine import Engine
-from server.engine.prefix_cache import PrefixCache
+from parrot.server.app import create_app
+from parrot.config import Config, PrefixCacheConfig
+from parrot.engine.engine import Engine
+from parrot.engine.prefix_cache import PrefixCache
 from tests.conftest import RunningServer, engine_builder, fixed_cost_curve, free_port
 
 SHARED = "You are Parrot's test assistant. Answer in one short sentence, and never use more words than needed."

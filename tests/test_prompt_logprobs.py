@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from server.config import DraftingConfig
-from server.engine.engine import GenerationRequest
-from server.engine.sampling import SamplingParams
+from parrot.config import DraftingConfig
+from parrot.engine.engine import GenerationRequest
+from parrot.engine.sampling import SamplingParams
 from tests.tiny import tiny_engine
 
 FORCED = DraftingConfig(adaptive=False, max_draft=8)

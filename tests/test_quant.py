@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.kernels import available_isas, kernels
-from server.engine.quant import FORMATS, GGML_TYPES, BlockWeight, _unpermute_rows, ggml_type
+from parrot.engine.kernels import available_isas, kernels
+from parrot.engine.quant import FORMATS, GGML_TYPES, BlockWeight, _unpermute_rows, ggml_type
 
 
 def _random_q4_1(n: int, k: int, seed: int = 0) -> BlockWeight:

@@ -1,4 +1,4 @@
-"""Parrot on Ray Serve (server/ray_app.py), for real on loopback: a local Ray instance, two
+"""Parrot on Ray Serve (parrot/server/ray_app.py), for real on loopback: a local Ray instance, two
 replicas of the embedded model behind the gateway, 100 requests from 10 sessions, one replica
 killed mid-run.
 
@@ -37,8 +37,8 @@ PROMPTS = [
 def ray_parrot():
     from ray import serve
 
-    from server.config import load_config
-    from server.ray_app import build_app
+    from parrot.config import load_config
+    from parrot.server.ray_app import build_app
 
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False,
@@ -165,7 +165,7 @@ def test_gateway_answers_in_openai_shape(ray_parrot):
 
 
 def test_affinity_keys():
-    from server.ray_app import PREFIX_CHARS, affinity_key
+    from parrot.server.ray_app import PREFIX_CHARS, affinity_key
 
     chat = json.dumps({"messages": [{"role": "system", "content": "x" * PREFIX_CHARS}, {"role": "user", "content": "a"}]})
     other = json.dumps({"messages": [{"role": "system", "content": "x" * PREFIX_CHARS}, {"role": "user", "content": "b"}]})
@@ -180,9 +180,9 @@ def test_affinity_keys():
 
 
 def test_plain_serve_does_not_import_ray():
-    code = ("import sys, server.cli, server.app; from server.cli import build_parser; "
+    code = ("import sys, parrot.cli, parrot.server.app; from parrot.cli import build_parser; "
             "build_parser().parse_args(['serve']); assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
-    out = subprocess.run([sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main(['serve', '--replicas', '2']))"],
+    out = subprocess.run([sys.executable, "-c", "import sys; from parrot.cli import main; sys.exit(main(['serve', '--replicas', '2']))"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "--replicas and --max-replicas need --ray" in out.stderr

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine.engine import GenerationRequest
-from server.engine.sampling import SamplingParams
+from parrot.engine.engine import GenerationRequest
+from parrot.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.real_model
 
@@ -85,8 +85,8 @@ def test_greedy_equals_transformers_greedy_or_diverges_at_a_near_tie(embedded_tr
 def test_q8_greedy_with_drafting_equals_plain_decoding(embedded_engine):
     # The served default: greedy output with drafting is the output of plain decoding of the same
     # forward, token for token, with drafts made and accepted.
-    from server.config import DraftingConfig
-    from server.engine.engine import Engine
+    from parrot.config import DraftingConfig
+    from parrot.engine.engine import Engine
 
     assert embedded_engine.forward.activations == "q8"
     plain = Engine(embedded_engine.forward, embedded_engine.tokenizer, DraftingConfig(enabled=False))

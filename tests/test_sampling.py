@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.sampling import Sampler, SamplingParams, argmax_rows, target_probs
+from parrot.engine.sampling import Sampler, SamplingParams, argmax_rows, target_probs
 
 
 def dense_reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.schema_check import SchemaCheck
+from parrot.constrain.schema_check import SchemaCheck
 from tests.conftest import start_server
-from tokenizer.grammar import GrammarCompiler, GrammarError
+from parrot.constrain.grammar import GrammarCompiler, GrammarError
 
 SCHEMAS_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "schemas.jsonl"
 

@@ -9,8 +9,8 @@ import httpx
 import pytest
 from starlette.requests import Request
 
-from server.config import DraftingConfig
-from server.sessions import SessionStore, tenant_of
+from parrot.config import DraftingConfig
+from parrot.server.sessions import SessionStore, tenant_of
 from tests.conftest import start_server
 from tests.tiny import tiny_engine
 

@@ -15,9 +15,9 @@ import pytest
 from loadtests.load_workload import DATA
 from loadtests.soak import run
 from loadtests.soak_report import summarize
-from server.config import DraftingConfig
-from server.engine.engine import Engine
-from server.engine.llama import LlamaForward
+from parrot.config import DraftingConfig
+from parrot.engine.engine import Engine
+from parrot.engine.llama import LlamaForward
 from tests.conftest import start_server
 from tests.tiny import tiny_hf_model
 

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from server.engine.engine import SequenceStats, StepOutput
-from server.engine.errors import ContextWindowExceeded, EngineError
-from server.engine.scheduler import output_latency
-from server.metrics import Metrics
-from server.stats import Observers, StatsCollector, percentile
+from parrot.engine.engine import SequenceStats, StepOutput
+from parrot.engine.errors import ContextWindowExceeded, EngineError
+from parrot.engine.scheduler import output_latency
+from parrot.server.metrics import Metrics
+from parrot.server.stats import Observers, StatsCollector, percentile
 from tests.conftest import start_server
 
 
@@ -315,7 +315,7 @@ def test_grafana_dashboard_queries_only_metrics_that_parrot_exports():
     import re
     from pathlib import Path
 
-    from server.metrics import Metrics
+    from parrot.server.metrics import Metrics
 
     root = Path(__file__).resolve().parent.parent
     dashboard = json.loads((root / "configs" / "grafana" / "parrot-dashboard.json").read_text())

@@ -1,4 +1,4 @@
-"""Generated text decoded a window of tokens at a time (server/engine/textout.py) equals the
+"""Generated text decoded a window of tokens at a time (parrot/engine/textout.py) equals the
 decoder's text of all the ids after every step, on a byte-level BPE vocabulary (the embedded
 model's) and a SentencePiece one with byte fallback, for token streams that split characters
 across tokens, mix in special tokens and random ids, and arrive a few tokens per step."""
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.engine.textout import TextAssembler
+from parrot.engine.textout import TextAssembler
 from tests.test_gguf_tokenizers import sentencepiece_gguf
-from tokenizer import Tokenizer, load_tokenizer
+from parrot.tokenizer import Tokenizer, load_tokenizer
 
 TEXTS = [
     "Grüße aus Köln, 世界! 👋🏽 naïve café — ok.\n\n  Indented  twice, then ✓ done",

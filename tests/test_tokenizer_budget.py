@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenizer import AppendingEncoder, IntervalCounter
+from parrot.tokenizer import AppendingEncoder, IntervalCounter
 
 FRAGMENTS = st.one_of(
     st.sampled_from(

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import pre_tokenizers
 
-from tokenizer.pretokenize import Pretokenizer
-from tokenizer.unicode_classes import DIGITS, LETTERS, SPACES
+from parrot.tokenizer.pretokenize import Pretokenizer
+from parrot.tokenizer.unicode_classes import DIGITS, LETTERS, SPACES
 
 # The GPT-2 byte-level regex, as the `tokenizers` ByteLevel pre-tokenizer applies it.
 GPT2_PATTERN = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
@@ -124,7 +124,7 @@ def test_character_class_table_matches_the_installed_tokenizers(embedded_tokeniz
     points |= {c for c in range(0x20000) if unicodedata.category(chr(c)) == "Cn"}  # unassigned to Python
     points = sorted(c for c in points if 0 <= c < 0x110000 and not 0xD800 <= c < 0xE000)
     pre = embedded_tokenizer.hf.backend_tokenizer.pre_tokenizer
-    from tokenizer.unicode_classes import measure_char_classes  # noqa: F401  (the generator)
+    from parrot.tokenizer.unicode_classes import measure_char_classes  # noqa: F401  (the generator)
 
     def pieces(template: str) -> list[int]:
         probes = [template.replace("c", chr(c)) for c in points]

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.routes.tasks import SUMMARIZE_INSTRUCTIONS, _messages
+from parrot.server.routes.tasks import SUMMARIZE_INSTRUCTIONS, _messages
 
 pytestmark = pytest.mark.real_model
 

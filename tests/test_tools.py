@@ -1,4 +1,4 @@
-"""Tool calls: the prompt and the grammar of a call (``tokenizer/tools.py``), reading calls back
+"""Tool calls: the prompt and the grammar of a call (``parrot/constrain/tools.py``), reading calls back
 whole or streamed, and the chat API with tools through the openai SDK on the embedded model."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from tokenizer.tools import ToolCallReader, call_text, read_tool_calls, tool_grammar, tool_messages
+from parrot.constrain.tools import ToolCallReader, read_tool_calls, tool_grammar
+from parrot.tokenizer.tool_format import call_text, tool_messages
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -82,7 +83,7 @@ def test_tool_messages_for_a_template_without_tool_support():
 
 @pytest.fixture(scope="module")
 def compiler(embedded_tokenizer):
-    from tokenizer.grammar import GrammarCompiler
+    from parrot.constrain.grammar import GrammarCompiler
 
     return GrammarCompiler(embedded_tokenizer)
 
@@ -220,10 +221,10 @@ def test_arguments_copying_a_file_are_drafted_from_its_json_escaped_view(compile
     API adds to the draft context (``escaped_context``) does. A scripted model writes the call;
     the output is the same either way, with far fewer passes with the view."""
     from loadtests.scripted import ScriptedForward
-    from server.config import DraftingConfig
-    from server.engine.engine import Engine, GenerationRequest, SpeculationParams
-    from server.engine.sampling import SamplingParams
-    from server.routes.generation import escaped_context
+    from parrot.config import DraftingConfig
+    from parrot.engine.engine import Engine, GenerationRequest, SpeculationParams
+    from parrot.engine.sampling import SamplingParams
+    from parrot.server.routes.generation import escaped_context
 
     tokenizer = compiler.tokenizer
     code = ('def greet(name):\n    """Say hello."""\n    print("Hello, " + name + "!")\n\n\n'

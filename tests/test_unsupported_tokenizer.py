@@ -12,11 +12,11 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from server.config import Config
-from server.errors import install_error_handlers
-from server.routes import tokens
-from server.state import ServerState
-from tokenizer import Tokenizer
+from parrot.config import Config
+from parrot.server.errors import install_error_handlers
+from parrot.server.routes import tokens
+from parrot.server.state import ServerState
+from parrot.tokenizer import Tokenizer
 
 
 def word_level_tokenizer() -> Tokenizer:

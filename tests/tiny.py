@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafting import DraftSizer
-from server.config import DraftingConfig
-from server.engine.engine import Engine
-from server.engine.hf_runner import HFForward
-from server.engine.llama import LlamaForward
+from parrot.drafting import DraftSizer
+from parrot.config import DraftingConfig
+from parrot.engine.engine import Engine
+from parrot.engine.hf_runner import HFForward
+from parrot.engine.llama import LlamaForward
 
 EOS = 0
 

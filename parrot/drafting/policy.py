@@ -1,0 +1,193 @@
+"""How many draft tokens to verify: the length that maximises expected tokens per second.
+
+Verifying k drafts costs one forward pass over k+1 tokens, ``cost[k+1]`` seconds, measured at
+start-up on the actual hardware (the curve is flat on some machines and steep on others). The
+pass yields 1 + (number of drafts accepted) tokens. With
+
+- ``a1``: the probability that the first draft token is accepted, and
+- ``an``: the probability that a draft token is accepted given the one before it was,
+
+the expected yield of k drafts is ``1 + a1 * (1 + an + an^2 + ... + an^(k-1))``, and the policy
+picks the k in 0..max_len with the best ``yield(k) / cost[k+1]``. k = 0 (plain decoding) is always
+a candidate, so when drafts do not pay the policy stops drafting: on text the context cannot
+predict, speculation costs (almost) nothing.
+
+Both probabilities are estimated online per request from what was accepted, with exponential
+forgetting so that the estimate follows the text (a response alternates between copying and
+writing freely). Both are kept per match-length bucket, because a 1-token suffix match is a
+much weaker signal than an 8-token one (for the first draft token and for how far the copy goes
+on), and in a bucket of their own for drafts that spell the bytes a grammar forces
+(``GRAMMAR_BUCKET``). Until a bucket has seen a draft token past the first, ``an`` is the
+request's estimate over all buckets.
+
+Several requests decoding together share one pass, and there the question is different: the
+pass already has a row per request, so a draft token costs the extra row it adds, and it is worth
+it only if it is likely enough. ``DraftLengthPolicy.allocate`` sizes all the drafts of a pass
+together by the same rule over the whole pass (tokens per second of the pass).
+
+The engine asks a ``DraftSizer`` to cut the drafts of each pass; ``DraftLengthPolicy.size`` is
+the default one, and a benchmark or test passes its own (``loadtests/replay_grammar.py``'s
+oracle knows where the model departs from each draft).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from parrot.drafting.drafter import TokenId
+
+
+GRAMMAR_BUCKET = 6  # drafts that start with the grammar's forced bytes (see Grammar.spelled_forced)
+
+
+def match_bucket(match_length: int) -> int:
+    """Bucket of a suffix-match length: 1, 2, 3-4, 5-8, 9+ (0 for no match length known)."""
+    if match_length <= 2:
+        return max(match_length, 0)
+    if match_length <= 4:
+        return 3
+    if match_length <= 8:
+        return 4
+    return 5
+
+
+@dataclass
+class _Beta:
+    """A Beta-distributed acceptance probability with exponential forgetting."""
+
+    accepted: float
+    rejected: float
+
+    @property
+    def mean(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def observe(self, accepted: int, trials: int, decay: float) -> None:
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + (trials - accepted)
+
+
+@dataclass
+class AcceptanceStats:
+    """Online acceptance estimates of one request."""
+
+    decay: float = 0.9
+    first: dict[int, _Beta] = field(default_factory=dict)
+    next: _Beta = field(default_factory=lambda: _Beta(2.0, 1.0))  # all buckets together
+    next_by_bucket: dict[int, _Beta] = field(default_factory=dict)
+
+    def first_accept(self, bucket: int) -> float:
+        return self.first.get(bucket, _Beta(1.0, 1.0)).mean
+
+    def next_accept(self, bucket: int) -> float:
+        return self.next_by_bucket.get(bucket, self.next).mean
+
+    def observe(self, bucket: int, num_drafted: int, num_accepted: int) -> None:
+        """Record one verification: ``num_accepted`` of ``num_drafted`` drafts (a prefix) kept."""
+        if num_drafted <= 0:
+            return
+        self.first.setdefault(bucket, _Beta(1.0, 1.0)).observe(min(num_accepted, 1), 1, self.decay)
+        # Positions 1.. that were reached (everything before them accepted), and how many passed.
+        reached = min(num_accepted, num_drafted - 1)
+        if reached > 0:
+            self.next.observe(max(num_accepted - 1, 0), reached, self.decay)
+            self.next_by_bucket.setdefault(bucket, _Beta(2.0, 1.0)).observe(max(num_accepted - 1, 0), reached, self.decay)
+
+
+@dataclass(frozen=True)
+class DraftSlot:
+    """One sequence of a forward pass with logits to verify: its longest draft, to be cut."""
+
+    rows: int  # tokens it feeds anyway (its pending token and forced tokens), one output token each
+    draft: list[TokenId]  # the longest draft it may verify this pass
+    position: int  # index of the draft's first token in the sequence (prompt + output)
+    acceptance: AcceptanceStats
+    bucket: int  # the acceptance bucket of this draft (match_bucket, or GRAMMAR_BUCKET)
+
+
+# How many tokens of each slot's draft to verify (0..len(slot.draft)), for all the slots of one
+# pass together, in their order.
+DraftSizer = Callable[[Sequence[DraftSlot]], list[int]]
+
+
+def expected_yield(k: int, a1: float, an: float) -> float:
+    """Expected tokens from one pass verifying k drafts (accepted drafts + the model's own token)."""
+    total, reach = 1.0, a1
+    for _ in range(k):
+        total += reach
+        reach *= an
+    return total
+
+
+class DraftLengthPolicy:
+    """Chooses draft lengths from a measured cost curve and the requests' acceptance stats."""
+
+    def __init__(self, cost: Sequence[float]) -> None:
+        """``cost[t]`` = seconds of one forward pass over t tokens, for t = 1..len(cost)-1."""
+        if len(cost) < 2 or any(c <= 0 for c in cost[1:]):
+            raise ValueError("cost curve needs positive costs for 1.. tokens")
+        self.cost = list(cost)
+        last = len(self.cost) - 1
+        # Beyond the measured tokens a pass grows linearly (the weights are read once either way;
+        # every extra row adds the same arithmetic): continue the slope of the curve's last half.
+        first = max(1, last // 2)
+        self._slope = (self.cost[last] - self.cost[first]) / (last - first) if last > first else self.cost[last]
+
+    @property
+    def max_draft(self) -> int:
+        return len(self.cost) - 2
+
+    def cost_at(self, tokens: int) -> float:
+        """Seconds of a pass over ``tokens`` rows, measured or extrapolated."""
+        last = len(self.cost) - 1
+        if tokens <= last:
+            return self.cost[max(tokens, 1)]
+        return self.cost[last] + self._slope * (tokens - last)
+
+    def size(self, slots: Sequence[DraftSlot]) -> list[int]:
+        """The ``DraftSizer`` of this policy: ``allocate`` over the slots of one pass (each row a
+        slot feeds anyway yields one output token)."""
+        return self.allocate([
+            (slot.rows, slot.rows, slot.acceptance.first_accept(slot.bucket), slot.acceptance.next_accept(slot.bucket),
+             len(slot.draft))
+            for slot in slots
+        ])
+
+    def choose(self, max_len: int, a1: float, an: float) -> int:
+        """The draft length in 0..max_len with the most expected tokens per second (one request)."""
+        return self.allocate([(1, 1.0, a1, an, max_len)])[0]
+
+    def allocate(self, requests: Sequence[tuple[int, float, float, float, int]]) -> list[int]:
+        """Draft lengths for all the requests of one forward pass.
+
+        Each request is ``(rows, tokens, a1, an, max_len)``: it feeds ``rows`` tokens to the pass
+        anyway (its pending token and forced tokens, or a prompt chunk), which yield ``tokens``
+        output tokens, and it may add up to ``max_len`` draft tokens. Draft token j of a request
+        adds ``a1 * an^(j-1)`` expected tokens, and these gains fall with j, so the best m drafts
+        of the whole pass are the m largest gains; the pass takes the m in 0..sum(max_len) with
+        the most expected tokens per second, ``(tokens + gains) / cost(rows + m)``. With one
+        request feeding one token this is the single-request rule in the module docstring; with
+        several, a draft token has to pay for its row in a pass that already has many rows, so
+        a batch drafts only its likeliest tokens.
+        """
+        rows = sum(r for r, _, _, _, _ in requests)
+        base = sum(t for _, t, _, _, _ in requests)
+        gains: list[tuple[float, int]] = []
+        for index, (_, _, a1, an, max_len) in enumerate(requests):
+            reach = a1
+            for _ in range(min(max_len, self.max_draft)):
+                gains.append((reach, index))
+                reach *= an
+        gains.sort(key=lambda g: -g[0])  # stable: a request's earlier drafts stay first on ties
+        best_m, best_rate = 0, base / self.cost_at(rows)
+        total = base
+        for m, (gain, _) in enumerate(gains, 1):
+            total += gain
+            rate = total / self.cost_at(rows + m)
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+        lengths = [0] * len(requests)
+        for _, index in gains[:best_m]:
+            lengths[index] += 1
+        return lengths
