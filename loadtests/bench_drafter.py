@@ -32,7 +32,7 @@ from loadtests.bench_engine import DATA, RESULTS, machine
 
 def corpus_tokens(n: int) -> list[int]:
     from parrot.config import ModelConfig
-    from parrot.engine.loader import load_transformers
+    from parrot.engine.hf_loading import load_transformers
 
     _, tokenizer, _ = load_transformers(ModelConfig())
     tokens: list[int] = []

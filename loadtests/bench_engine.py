@@ -35,7 +35,8 @@ import torch
 from parrot.config import load_config
 from parrot.engine.costmodel import measure_cost_curve
 from parrot.engine.engine import Engine, GenerationRequest, SpeculationParams
-from parrot.engine.loader import gguf_blocks, load_transformers, prepare
+from parrot.engine.hf_loading import gguf_blocks, load_transformers
+from parrot.engine.loader import prepare
 from parrot.engine.sampling import SamplingParams
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"

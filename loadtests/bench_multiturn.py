@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from parrot.engine.kernels import cpu_description, kernels
-    from parrot.engine.loader import resolve_source
+    from parrot.engine.source import resolve_source
 
     source = resolve_source(resolve(args.model))
     gguf = os.path.join(source.path, source.gguf_file or "")

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernels:
         os.environ["PARROT_KERNELS"] = args.kernels  # the Parrot server and the in-process passes
     from parrot.engine.kernels import cpu_description, kernels
-    from parrot.engine.loader import resolve_source
+    from parrot.engine.source import resolve_source
 
     source = resolve_source(args.gguf or "embedded")
     gguf = os.path.join(source.path, source.gguf_file or "")

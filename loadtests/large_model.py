@@ -59,7 +59,8 @@ def in_process(path: str, depth: int, prompt: int, decode: int = 64, rounds: int
 
     import parrot.server.app  # noqa: F401  (the server's modules: part of the baseline, as in `parrot serve`)
     from parrot.config import ModelConfig
-    from parrot.engine.loader import load_model, resident_bytes
+    from parrot.engine.loader import load_model
+    from parrot.engine.memory import resident_bytes
 
     baseline = resident_bytes()
     forward = load_model(ModelConfig(source=path)).forward

@@ -118,7 +118,7 @@ def write(out: str, params: str, file_type: str, seed: int = 0, arch: str = "lla
     file to store as the tokenizer's chat template."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-    from parrot.engine.loader import resolve_source
+    from parrot.engine.source import resolve_source
 
     hidden, intermediate, layers, heads, kv_heads = SHAPES[params]
     main_type, more_type = MIXES[file_type]

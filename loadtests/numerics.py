@@ -31,7 +31,8 @@ def compare(prompts: list[str], max_tokens: int = 64, activations: str = "q8") -
     from parrot.config import DraftingConfig, ModelConfig
     from parrot.engine.costmodel import measure_cost_curve
     from parrot.engine.engine import Engine, GenerationRequest
-    from parrot.engine.loader import gguf_blocks, load_transformers, prepare
+    from parrot.engine.hf_loading import gguf_blocks, load_transformers
+    from parrot.engine.loader import prepare
     from parrot.engine.sampling import SamplingParams
 
     source, tokenizer, hf_model = load_transformers(ModelConfig())

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         from parrot.server.app import serve
-        from parrot.engine.loader import ModelNotFoundError, ModelTooLargeError, preflight
+        from parrot.engine.loader import preflight
+        from parrot.engine.source import ModelNotFoundError, ModelTooLargeError
 
         from parrot.server.auth import read_keys
 
@@ -151,7 +152,7 @@ def _parse_line(line: str, number: int) -> tuple[Any, list[dict[str, Any]]]:
 def generate_file(config: Config, args: argparse.Namespace) -> int:
     from parrot.engine.build import build_engine
     from parrot.engine.engine import GenerationRequest, SpeculationParams
-    from parrot.engine.loader import ModelNotFoundError, ModelTooLargeError
+    from parrot.engine.source import ModelNotFoundError, ModelTooLargeError
     from parrot.engine.sampling import SamplingParams
 
     try:

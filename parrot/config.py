@@ -29,7 +29,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
-        _check_choice("model.backend", self.backend, ("auto", "native", "hf"))
+        if not self.backend:  # a registered backend's name; the loader checks which exist
+            raise ValueError("model.backend must be auto or a backend's name (native, hf)")
         _check_choice("model.activations", self.activations, ("q8", "float32"))
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")

@@ -41,7 +41,7 @@ def embedded_tokenizer():
 def embedded_transformers():
     """(tokenizer, transformers model) of the embedded model: the reference for exactness tests."""
     from parrot.config import ModelConfig
-    from parrot.engine.loader import load_transformers
+    from parrot.engine.hf_loading import load_transformers
 
     _, tokenizer, hf_model = load_transformers(ModelConfig())
     return tokenizer, hf_model
@@ -52,7 +52,9 @@ def embedded_engine(embedded_transformers):
     """Parrot's engine on the embedded model (native forward built from the same weights)."""
     from parrot.config import DraftingConfig
     from parrot.engine.engine import Engine
-    from parrot.engine.loader import gguf_blocks, prepare, resolve_source
+    from parrot.engine.hf_loading import gguf_blocks
+    from parrot.engine.loader import prepare
+    from parrot.engine.source import resolve_source
 
     tokenizer, hf_model = embedded_transformers
     # The same forward `parrot serve` builds: GGUF block kernels for small passes when the CPU has them.
@@ -67,7 +69,9 @@ def embedded_engine_float32(embedded_transformers, embedded_engine):
     """The embedded model with float32 activations in the block kernels (model.activations =
     float32): the configuration whose logits follow transformers float32 to ~1e-4."""
     from parrot.engine.engine import Engine
-    from parrot.engine.loader import gguf_blocks, prepare, resolve_source
+    from parrot.engine.hf_loading import gguf_blocks
+    from parrot.engine.loader import prepare
+    from parrot.engine.source import resolve_source
 
     tokenizer, hf_model = embedded_transformers
     blocks = gguf_blocks(resolve_source("embedded"), hf_model)
@@ -140,11 +144,15 @@ def free_port() -> int:
 
 def engine_builder(engine, loaded_name: str):
     """An ``EngineBuilder`` (``parrot.server.app``) that serves ``engine``, already loaded."""
-    from parrot.engine.loader import LoadedModel
+    from parrot.engine import backends
+    from parrot.engine.backend import LoadedModel
+    from parrot.engine.llama import LlamaForward
 
     forward = engine.forward
     loaded = LoadedModel(forward=forward, tokenizer=engine.tokenizer, name=loaded_name, device=forward.device,
                          dtype=forward.dtype, backend="native", context_window=forward.max_positions, load_seconds=0.0)
+    if isinstance(forward, LlamaForward):
+        loaded.details = backends.get_backend("native").describe(loaded)
     return lambda _config: (loaded, engine)
 
 

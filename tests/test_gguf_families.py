@@ -25,7 +25,9 @@ import torch
 
 from loadtests.make_synthetic_gguf import LLAMA3_ROPE, write
 from parrot.config import ModelConfig
-from parrot.engine.loader import load_gguf_native, load_transformers, resolve_source
+from parrot.engine.backends.native import load_onto_kernels
+from parrot.engine.hf_loading import load_transformers
+from parrot.engine.source import resolve_source
 
 PROMPT = torch.randint(100, 40000, (600,), generator=torch.Generator().manual_seed(5)).tolist()
 
@@ -54,7 +56,7 @@ def _cache(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _native(path: str):
-    loaded = load_gguf_native(resolve_source(path), ModelConfig(source=path, activations="float32"))
+    loaded = load_onto_kernels(resolve_source(path), ModelConfig(source=path, activations="float32"))
     assert loaded is not None and loaded.forward.native is not None  # the whole pass on the kernels
     return loaded.forward
 
@@ -127,7 +129,7 @@ def test_qwen2_biases_and_row_order(files):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_logits_do_not_depend_on_the_batch(files, arch):
-    loaded = load_gguf_native(resolve_source(files[arch]), ModelConfig(source=files[arch]))  # 8-bit activations
+    loaded = load_onto_kernels(resolve_source(files[arch]), ModelConfig(source=files[arch]))  # 8-bit activations
     assert loaded is not None and loaded.forward.native is not None
     forward = loaded.forward
     prefix, drafts = PROMPT[:300], PROMPT[300:308]

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import pytest
 
-from parrot.engine.loader import resolve_source
+from parrot.engine.source import resolve_source
 from parrot.tokenizer.loader import UnsupportedTokenizerError, load_tokenizer
 
 
@@ -195,7 +195,7 @@ def test_a_new_file_is_converted_in_a_child_process_and_a_refusal_comes_back(tmp
     # process (its modelling imports would otherwise stay resident in the server), and reads the
     # cached copy here; a tokenizer the child refuses is refused here, by name.
     from loadtests.make_synthetic_gguf import write
-    from parrot.engine import loader
+    from parrot.engine import hf_loading as loader
 
     monkeypatch.setenv("PARROT_CACHE_DIR", str(tmp_path / "cache"))
     children = []
@@ -203,15 +203,15 @@ def test_a_new_file_is_converted_in_a_child_process_and_a_refusal_comes_back(tmp
     monkeypatch.setattr(loader.subprocess, "run", lambda *a, **k: children.append(a[0]) or real_run(*a, **k))
     write(str(tmp_path / "good.gguf"), "tiny", "Q8_0")
     source = loader.ModelSource(str(tmp_path), "good.gguf")
-    tokenizer, config = loader._gguf_tokenizer_and_config(source)
+    tokenizer, config = loader.gguf_tokenizer_and_config(source)
     assert len(children) == 1 and os.path.isfile(os.path.join(loader._conversion_dir(source), "config.json"))
     assert config.num_hidden_layers == 2 and tokenizer.encode("a  1") == embedded_tokenizer().encode("a  1")
-    loader._gguf_tokenizer_and_config(source)  # now from the cache: no child
+    loader.gguf_tokenizer_and_config(source)  # now from the cache: no child
     assert len(children) == 1
 
     write(str(tmp_path / "odd.gguf"), "tiny", "Q8_0", vocab_file=tokenizer_only_gguf(str(tmp_path), "some-new-family"))
     with pytest.raises(UnsupportedTokenizerError, match="'some-new-family'"):
-        loader._gguf_tokenizer_and_config(loader.ModelSource(str(tmp_path), "odd.gguf"))
+        loader.gguf_tokenizer_and_config(loader.ModelSource(str(tmp_path), "odd.gguf"))
     assert len(children) == 2
 
 

@@ -38,7 +38,9 @@ def _chat(client, **kwargs):
 
 
 def test_models_and_health(http_server, client):
-    assert httpx.get(http_server.url + "/health").json()["status"] == "ok"
+    health = httpx.get(http_server.url + "/health").json()
+    assert health["status"] == "ok" and health["backend"]["name"] == "native"
+    assert health["backend"]["whole_pass_compiled"] == (http_server.app.state.parrot.loaded.forward.native is not None)
     models = client.models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
 

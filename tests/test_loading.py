@@ -8,8 +8,9 @@ import os
 import pytest
 
 from parrot import cli
-from parrot.engine import loader
-from parrot.engine.loader import ModelTooLargeError, check_memory, resolve_source
+from parrot.engine import memory
+from parrot.engine.memory import check_fits, gguf_load_bytes
+from parrot.engine.source import ModelTooLargeError, resolve_source
 
 
 def _embedded_gguf() -> str:
@@ -19,22 +20,22 @@ def _embedded_gguf() -> str:
 
 
 def test_a_gguf_that_fits_passes_the_memory_check():
-    check_memory(_embedded_gguf())  # 135M weights on a machine with gigabytes free
+    check_fits("embedded", gguf_load_bytes(_embedded_gguf(), float32=True))  # 135M weights on a machine with gigabytes free
 
 
 def test_a_gguf_that_cannot_fit_is_refused_before_loading(monkeypatch):
-    monkeypatch.setattr(loader, "available_bytes", lambda: 100 * 2**20)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 100 * 2**20)
     # through transformers: every weight in float32 once (0.5 GiB)
     with pytest.raises(ModelTooLargeError, match=r"needs about 0\.\d GiB to load .* 0\.1 GiB is available"):
-        check_memory(_embedded_gguf())
-    check_memory(_embedded_gguf(), float32=False)  # onto the kernels: the file's 94 MB
-    monkeypatch.setattr(loader, "available_bytes", lambda: 50 * 2**20)
+        check_fits("embedded", gguf_load_bytes(_embedded_gguf(), float32=True))
+    check_fits("embedded", gguf_load_bytes(_embedded_gguf(), float32=False))  # onto the kernels: the file's 94 MB
+    monkeypatch.setattr(memory, "available_bytes", lambda: 50 * 2**20)
     with pytest.raises(ModelTooLargeError, match="in the file's blocks"):
-        check_memory(_embedded_gguf(), float32=False)
+        check_fits("embedded", gguf_load_bytes(_embedded_gguf(), float32=False))
 
 
 def test_serve_refuses_a_model_that_cannot_fit_with_a_message(monkeypatch, capsys):
-    monkeypatch.setattr(loader, "available_bytes", lambda: 10 * 2**20)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 10 * 2**20)
     assert cli.main(["serve", "--model", _embedded_gguf(), "--port", "0"]) == 2
     assert "GiB is available" in capsys.readouterr().err
 
@@ -45,15 +46,15 @@ def test_serve_says_when_there_is_no_such_model(capsys, tmp_path):
 
 
 def test_a_gguf_loaded_onto_the_kernels_computes_what_the_transformers_path_does(embedded_engine):
-    # load_gguf_native keeps no float32 matrices (the blocks stay in the memory-mapped file; the
+    # load_onto_kernels keeps no float32 matrices (the blocks stay in the memory-mapped file; the
     # transformers model is weightless) and must give the same logits, bit for bit, as the
     # forward built from the transformers model and its verified blocks.
     import torch
 
     from parrot.config import ModelConfig
-    from parrot.engine.loader import load_gguf_native
+    from parrot.engine.backends.native import load_onto_kernels
 
-    native = load_gguf_native(resolve_source("embedded"), ModelConfig())
+    native = load_onto_kernels(resolve_source("embedded"), ModelConfig())
     assert native is not None and native.forward.native is not None and native.forward.embed is None
     ids = torch.randint(100, 20000, (90,), generator=torch.Generator().manual_seed(3)).tolist()
     results = []
@@ -67,7 +68,7 @@ def test_a_second_conversion_into_the_same_cache_directory_lands_beside_the_firs
     # The kernels' tokenizer-and-config conversion and transformers' full-model conversion of one
     # file share a cache directory; the second used to fail on the first's ("directory not
     # empty") and so converted again on every load.
-    from parrot.engine.loader import _publish
+    from parrot.engine.hf_loading import _publish
 
     target = tmp_path / "converted"
     for name, files in (("first", ["config.json", "tokenizer.json"]), ("second", ["model.safetensors", "config.json"])):

@@ -35,6 +35,9 @@ class TinyTokenizer:
         self.vocab_size = vocab_size
         self.hf = self  # the routes ask ``tokenizer.hf`` for token strings (logprobs)
 
+    def __len__(self) -> int:  # as transformers' tokenizers: the vocabulary's size
+        return self.vocab_size
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:  # it has none to add
         return [ord(ch) - ord("a") + 1 for ch in text if "a" <= ch <= "z"]
 

@@ -1,17 +1,21 @@
-"""What the engine needs from a model backend: forward passes over per-sequence KV caches.
+"""What the engine needs from a model backend: forward passes over per-sequence KV caches, and
+the ``LoadedModel`` a backend hands the server.
 
 ``LlamaForward`` (the native forward), ``HFForward`` (any transformers model) and the scripted
-test model (``loadtests/scripted.py``) implement these protocols structurally: a new backend
-(other kernels, CUDA) is a new class with these members, not an edit of the engine.
+test model (``loadtests/scripted.py``) implement these protocols structurally. A new backend is
+one module that registers itself (``backends/registry.py``): a forward with these members and
+the loading that builds it, with no edit of the engine or the loader.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol, TypeVar, runtime_checkable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
+
+from parrot.tokenizer import Tokenizer
 
 TokenId = int
 
@@ -102,3 +106,22 @@ class Forward(Protocol[Cache]):
     def forward(self, batch: Sequence[tuple[Cache, Sequence[TokenId], int]]) -> list[torch.Tensor]:
         """One pass over every item of ``batch``; logits ``[num_logits, vocab_size]`` per item."""
         ...
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to serve, as a backend loaded it."""
+
+    forward: Forward[Any]
+    tokenizer: Tokenizer
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    backend: str  # the registered name of the backend that loaded it
+    context_window: int
+    load_seconds: float = 0.0
+    # What the backend says about it (``Backend.describe``): the start-up log and /health.
+    details: dict[str, Any] = field(default_factory=dict)
+    # What a one-token pass at a given context must read and the bandwidth measured now (the
+    # start-up log's floor), where the backend can say.
+    pass_report: Callable[[int], dict[str, float]] | None = None

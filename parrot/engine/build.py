@@ -7,8 +7,9 @@ import logging
 from parrot.config import Config
 from parrot.engine.costmodel import measure_cost_curve
 from parrot.engine.engine import Engine
-from parrot.engine.loader import LoadedModel, available_bytes, load_model
-from parrot.engine.memory import release_free_memory
+from parrot.engine.backend import LoadedModel
+from parrot.engine.loader import load_model
+from parrot.engine.memory import available_bytes, release_free_memory
 from parrot.engine.prefix_cache import PrefixCache, auto_budget
 
 log = logging.getLogger("parrot.engine")
@@ -17,17 +18,15 @@ log = logging.getLogger("parrot.engine")
 def _log_floor(loaded: LoadedModel, cost: list[float] | None, context: int = 512) -> None:
     """Log the physical floor of a one-token pass (bytes it reads over the memory bandwidth
     measured now) beside the measured pass, so a slow machine or a slow path shows at start-up."""
-    report = getattr(loaded.forward, "pass_report", None)
-    if report is None:
+    if loaded.pass_report is None:
         return
-    r = report(context)
+    r = loaded.pass_report(context)
     measured = f"; measured {cost[1] * 1e3:.1f} ms ({cost[1] * 1e3 / r['floor_ms']:.2f}x)" if cost else ""
-    kernels = getattr(loaded.forward, "kernels", None)
     log.info(
         "one-token pass at %d tokens of context reads %.0f MB (weights %.0f + KV cache %.0f); memory bandwidth "
         "%.1f GB/s; floor %.1f ms%s; kernels: %s",
         context, r["bytes_per_pass"] / 1e6, r["weight_bytes"] / 1e6, r["kv_bytes"] / 1e6, r["bandwidth"] / 1e9,
-        r["floor_ms"], measured, kernels.isa if kernels is not None else "none",
+        r["floor_ms"], measured, loaded.details.get("kernels") or "none",
     )
 
 

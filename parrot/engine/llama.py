@@ -315,7 +315,7 @@ class LlamaForward:
         config = hf_model.config
         inner = hf_model.model
         self.device = inner.embed_tokens.weight.device
-        if self.device.type == "meta":  # a weightless model (loader.load_gguf_native): blocks only
+        if self.device.type == "meta":  # a weightless model (backends/native.py, load_onto_kernels): blocks only
             self.device = torch.device("cpu")
         self.dtype = inner.embed_tokens.weight.dtype
         self.num_layers = config.num_hidden_layers

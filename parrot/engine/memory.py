@@ -1,8 +1,12 @@
-"""Handing the heap's free memory back to the OS."""
+"""Memory: what this process may still take, what loading a model would take, and handing the
+heap's free memory back to the OS."""
 
 from __future__ import annotations
 
 import ctypes
+import os
+
+from parrot.engine.source import ModelTooLargeError
 
 # mallopt's parameter for the number of heaps ("arenas") glibc may create (malloc.h: M_ARENA_MAX)
 _M_ARENA_MAX = -8
@@ -40,3 +44,57 @@ def share_one_heap() -> None:
         ctypes.CDLL(None).mallopt(_M_ARENA_MAX, 1)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def available_bytes() -> int | None:
+    """Memory this process can still take: MemAvailable, capped by a cgroup limit (None: unknown)."""
+    values = []
+    try:
+        with open("/proc/meminfo") as f:
+            values += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            if limit != "max":
+                values.append(int(limit) - int(f.read().strip()))
+    except (OSError, ValueError):
+        pass
+    return min(values) if values else None
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS; 0 where /proc is not there)."""
+    try:
+        with open("/proc/self/status") as f:
+            line = next((line for line in f if line.startswith("VmRSS:")), "")
+    except OSError:
+        return 0
+    return int(line.split()[1]) * 1024 if line else 0
+
+
+def gguf_load_bytes(gguf_path: str, float32: bool) -> tuple[int, str]:
+    """Bytes loading this GGUF takes at its peak, and how they were counted: its blocks
+    (memory-mapped), and with ``float32`` its weights in float32 (the transformers path builds
+    them once). Reads the header only."""
+    from parrot.engine.quant import gguf_tensors
+    from parrot.engine.source import ModelNotFoundError
+
+    try:
+        weights = sum(t.n_elements for t in gguf_tensors(gguf_path))
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot read {gguf_path}: {exc}") from exc
+    how = "in float32 while loading, beside the file's blocks" if float32 else "in the file's blocks"
+    return (4 * weights if float32 else 0) + os.path.getsize(gguf_path), f"{weights / 1e9:.2f}B weights {how}"
+
+
+def check_fits(name: str, need: tuple[int, str] | None) -> None:
+    """Raise ModelTooLargeError, before anything is loaded, when ``need`` (bytes, how counted)
+    exceeds the memory available."""
+    available = available_bytes()
+    if need is None or available is None or need[0] <= available:
+        return
+    raise ModelTooLargeError(f"{name} needs about {need[0] / 2**30:.1f} GiB to load ({need[1]}); "
+                             f"{available / 2**30:.1f} GiB is available")

@@ -19,7 +19,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from parrot.server.auth import KeyChecker, RequireKey, read_keys
 from parrot.config import Config
 from parrot.engine.engine import Engine
-from parrot.engine.loader import LoadedModel, ModelNotFoundError, ModelTooLargeError
+from parrot.engine.backend import LoadedModel
+from parrot.engine.source import ModelNotFoundError, ModelTooLargeError
 from parrot.engine.memory import share_one_heap
 from parrot.engine.scheduler import Scheduler
 from parrot.server.errors import APIError, install_error_handlers

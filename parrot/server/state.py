@@ -11,7 +11,7 @@ from fastapi import Request
 
 from parrot.config import Config
 from parrot.engine.engine import Engine
-from parrot.engine.loader import LoadedModel
+from parrot.engine.backend import LoadedModel
 from parrot.engine.scheduler import Scheduler
 from parrot.server.errors import APIError
 from parrot.server.metrics import Metrics

@@ -22,7 +22,7 @@ from parrot.engine.engine import (
 )
 from parrot.engine.errors import ContextWindowExceeded, EngineRequestError, EngineStopped
 from parrot.engine.interface import SPECULATION_COUNTERS
-from parrot.engine.loader import LoadedModel
+from parrot.engine.backend import LoadedModel
 from parrot.engine.scheduler import EngineError, QueueFull, RequestHandle, Scheduler
 from parrot.server.errors import APIError
 from parrot.constrain.schema_check import SchemaCheck

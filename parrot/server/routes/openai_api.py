@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from parrot.engine.engine import GenerationRequest, StepOutput, TokenLogprob
 from parrot.engine.interface import CacheScope
-from parrot.engine.loader import LoadedModel
+from parrot.engine.backend import LoadedModel
 from parrot.engine.sampling import SamplingParams
 from parrot.server.errors import APIError
 from parrot.server.routes.generation import (

@@ -11,8 +11,9 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 while requests can be served; 503 while the model loads, after it failed to load or
-    the engine stopped (with the reason), and while the server drains before exiting."""
+    """200 while requests can be served, with the model and what its backend says about it
+    (``Backend.describe``: kernel set, weight format); 503 while the model loads, after it failed
+    to load or the engine stopped (with the reason), and while the server drains before exiting."""
     state = request.app.state.parrot
     status = state.status
     if status == "error":
@@ -21,7 +22,8 @@ async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": "5"})
     if status == "draining":
         return JSONResponse({"status": status}, status_code=503)
-    return JSONResponse({"status": status, "model": state.loaded.name})
+    loaded = state.loaded
+    return JSONResponse({"status": status, "model": loaded.name, "backend": {"name": loaded.backend, **loaded.details}})
 
 
 @router.get("/metrics")

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 
 from parrot.engine.engine import GenerationRequest
 from parrot.engine.interface import CacheScope
-from parrot.engine.loader import LoadedModel
+from parrot.engine.backend import LoadedModel
 from parrot.engine.sampling import SamplingParams
 from parrot.server.errors import APIError
 from parrot.server.routes.generation import (

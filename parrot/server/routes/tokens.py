@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 
-from parrot.engine.loader import LoadedModel
+from parrot.engine.backend import LoadedModel
 from parrot.server.errors import APIError
 from parrot.server.routes.generation import check_model
 from parrot.server.schemas import ChatCompletionRequest, valid_unicode
