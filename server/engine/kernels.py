@@ -38,14 +38,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("parrot.engine")
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = [os.path.join(_CSRC, "kernels.cpp"), os.path.join(_CSRC, "simd.h"), os.path.join(_CSRC, "pool.h")]
+# The compiled file first; every file here is hashed into the library's cache key.
+SOURCES = [os.path.join(_CSRC, name) for name in (
+    "kernels.cpp", "formats.h", "tiles.h", "packed.h", "linear.h", "attention.h", "model.h", "simd.h", "pool.h")]
 # Instruction sets, best first: compiler flags and the /proc/cpuinfo flags they need.
 ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "avx512": (["-DPARROT_AVX512", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c"], ("avx512f", "avx512bw", "fma", "f16c")),
     "avx2": (["-DPARROT_AVX2", "-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
     "portable": ([], ()),
 }
-# Block formats by their number in csrc/kernels.cpp (enum Kind).
+# Block formats by their number in csrc/formats.h (PARROT_FORMATS).
 KIND = {kind: i for i, kind in enumerate(("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"))}
 
 
