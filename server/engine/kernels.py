@@ -268,24 +268,22 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _build(isa: str, format_header: str | None = None, directory: str | None = None) -> str:
+def _build(isa: str, format_header: str | None = None) -> str:
     """Compile the library for ``isa`` (once; cached by source, flags and compiler). For tests
-    only: ``format_header``, a header of extra block formats compiled in (csrc/formats.h's
-    PARROT_EXTRA_FORMAT_HEADER), and ``directory``, where to build instead of the cache."""
+    only: ``format_header``, a header of extra block formats to compile in (csrc/formats.h's
+    PARROT_EXTRA_FORMAT_HEADER), cached by its contents."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     flags = ["-O3", "-std=c++20", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", *ISAS[isa][0]]
-    sources = list(SOURCES)
-    if format_header is not None:
-        flags.append(f'-DPARROT_EXTRA_FORMAT_HEADER="{os.path.abspath(format_header)}"')
-        sources.append(format_header)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     digest = hashlib.sha256(" ".join([cxx, *version, *flags]).encode())
-    for path in sources:
+    for path in SOURCES + ([format_header] if format_header is not None else []):
         with open(path, "rb") as f:
             digest.update(f.read())
-    directory = directory or os.path.join(cache_root(), "kernels")
+    if format_header is not None:
+        flags.append(f'-DPARROT_EXTRA_FORMAT_HEADER="{os.path.abspath(format_header)}"')
+    directory = os.path.join(cache_root(), "kernels")
     target = os.path.join(directory, f"libparrot_{isa}_{digest.hexdigest()[:12]}.so")
     if os.path.isfile(target):
         return target
