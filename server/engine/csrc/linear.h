@@ -21,7 +21,7 @@ struct Mat {
   const uint8_t* data;  // [N, K / weights per block blocks]
   const float* bias;    // [N] or null
   const Mat* next;      // the next part along N, or null
-  const uint8_t* packed;  // the 8-bit path's packed copy (pack_matrix) of an integer format, or null
+  const uint8_t* packed;  // the 8-bit path's packed copy (parrot_pack) of an integer format, or null
 };
 
 namespace {
