@@ -14,7 +14,7 @@ tokens/s (prefill included), forward passes per output token, share of forced to
 outputs that parse and validate, share identical to the ``constrained`` output.
 
 With ``--sdpa``, two more rows run the ``constrained`` and ``+fast_forward+ngram`` configurations
-with torch's SDPA in place of the attention kernel (csrc/attention.cpp), each with a cost curve
+with torch's SDPA in place of the attention kernel (csrc/attention.h), each with a cost curve
 measured that way, and are compared with their own ``constrained`` row.
 
     python -m loadtests.bench_grammar [--articles 10] [--sdpa]

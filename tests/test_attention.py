@@ -1,4 +1,4 @@
-"""Attention of decoding passes (csrc/kernels.cpp): float32-level results and batch invariance,
+"""Attention of decoding passes (csrc/attention.h): float32-level results and batch invariance,
 for every kernel set this CPU runs.
 
 The property that matters to speculative decoding: a token's logits are the same bit for bit

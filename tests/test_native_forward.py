@@ -1,4 +1,4 @@
-"""The whole decoding pass in one kernel call (csrc/kernels.cpp ``parrot_forward``), on the tiny
+"""The whole decoding pass in one kernel call (csrc/model.h, ``parrot_forward``), on the tiny
 model with its weights quantised to GGUF blocks, for every kernel set this CPU runs.
 
 Properties: a token's logits do not depend on the draft fed with it, nor on the other sequences

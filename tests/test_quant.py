@@ -7,11 +7,12 @@ for lack of a CPU feature.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from parrot.engine.kernels import available_isas, kernels
-from parrot.engine.quant import FORMATS, GGML_TYPES, BlockWeight, _unpermute_rows, ggml_type
+from parrot.engine.quant import FORMATS, BlockWeight, _unpermute_rows, ggml_type
 
 
 def _random_q4_1(n: int, k: int, seed: int = 0) -> BlockWeight:
@@ -33,9 +34,9 @@ def _random_q8_0(n: int, k: int, seed: int = 0) -> BlockWeight:
 def _random_blocks(kind: str, rows: int, k: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:
     """Random blocks of any format (any bytes are valid blocks; float formats get random floats,
     since random bytes would be mostly NaN rows) and the reference's de-quantisation of them."""
-    size, weights = FORMATS[kind]
+    f = FORMATS[kind]
     generator = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, 256, (rows, k // weights * size), generator=generator, dtype=torch.uint8)
+    data = torch.randint(0, 256, (rows, k // f.block_weights * f.block_bytes), generator=generator, dtype=torch.uint8)
     if kind in ("f32", "f16", "bf16"):
         dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[kind]
         data = (torch.randn(rows, k, generator=generator) * 100).to(dtype).view(torch.uint8)
@@ -63,19 +64,34 @@ def test_unpermuted_rows_match_transformers_reverse_permute():
     assert torch.equal(w[_unpermute_rows(rows, n_head)], expected)
 
 
-def test_ggml_type_table_agrees_with_the_gguf_package():
-    """The GGUF reader names and sizes the types Parrot reads from its own table (importing the
+def test_format_table_agrees_with_the_gguf_package():
+    """The GGUF reader names and sizes the types Parrot runs from its own table (importing the
     gguf package costs 1.4 MB resident); every row must be the package's, and other ids still
     resolve through the package."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    for type_id, (name, weights, size) in GGML_TYPES.items():
-        kind = GGMLQuantizationType(type_id)
-        assert (kind.name, *GGML_QUANT_SIZES[kind]) == (name, weights, size)
-    assert {name.lower() for name, _, _ in GGML_TYPES.values()} == set(FORMATS)
+    for f in FORMATS.values():
+        kind = GGMLQuantizationType(f.ggml_type)
+        assert (kind.name.lower(), *GGML_QUANT_SIZES[kind]) == (f.name, f.block_weights, f.block_bytes)
+        assert ggml_type(f.ggml_type) == (kind.name, f.block_weights, f.block_bytes)
     assert ggml_type(GGMLQuantizationType.Q3_K.value) == ("Q3_K", *GGML_QUANT_SIZES[GGMLQuantizationType.Q3_K])
     with pytest.raises(ValueError):
         ggml_type(9999)
+
+
+def test_float_matrices_are_read_only_with_rows_of_whole_units_of_32():
+    # A float format's GGUF block is one weight, but the kernels read rows 32 weights at a time:
+    # a matrix with rows of 40 is left to float32 (it would otherwise lose its last 8 columns).
+    from types import SimpleNamespace
+
+    from parrot.engine.quant import _from_gguf_tensor
+
+    def tensor(k: int) -> SimpleNamespace:
+        return SimpleNamespace(tensor_type=SimpleNamespace(name="F16"), data=np.ones((4, k), dtype=np.float16))
+
+    assert _from_gguf_tensor(tensor(40)) is None
+    weight = _from_gguf_tensor(tensor(64))
+    assert weight is not None and weight.shape == (4, 64) and torch.equal(weight.dequantize(), torch.ones(4, 64))
 
 
 def test_every_cpu_runs_the_portable_kernels():
@@ -152,7 +168,7 @@ def test_kernels_expand_every_block_format_as_the_gguf_reference_does(isa, kind)
     # Any bytes are valid blocks. The kernel times the identity gives back its expansion of the
     # weights exactly (one product of 1.0, the rest zeros), which must equal the reference's
     # de-quantisation bit for bit. Rows with a non-finite weight are left out (0 * inf is NaN).
-    k = 2 * max(FORMATS[kind][1], 64)
+    k = 2 * max(FORMATS[kind].block_weights, 64)
     blocks, reference = _random_blocks(kind, 64, k, seed=3)
     data = blocks.data
     finite = reference.isfinite().all(dim=1)
@@ -177,8 +193,8 @@ def test_q8_kernels_are_exact_products_of_the_rounded_rows(isa, kind):
     # With 8-bit activations, each output is the product of the row rounded to 8 bits per 32
     # (per super-block of 256 for the K-quant formats) and the reference's weights, to float32 rounding of the sum (integer sums are exact); float
     # formats keep float32 inputs. Rows 1..11 cover every tile; K of 21 units an odd last pair.
-    weights = FORMATS[kind][1]
-    k = 21 * 32 if weights == 32 else 3 * weights
+    weights = FORMATS[kind].block_weights
+    k = 3 * weights if weights == 256 else 21 * 32
     blocks, reference = _random_blocks(kind, 128, k, seed=4)
     generator = torch.Generator().manual_seed(4)
     usable = reference.isfinite().all(dim=1)
@@ -203,7 +219,7 @@ def test_rows_from_the_packed_copy_are_the_file_rows_bit_for_bit(isa, kind):
     # A tied embedding's token rows come from the LM head's packed copy once the file's pages
     # are handed back: every block is rebuilt from it byte for byte, so the rows are the file's,
     # NaN payloads included. 21 rows: three groups of 8, the last one padded.
-    w, _ = _random_blocks(kind, 21, 2 * max(FORMATS[kind][1], 64), seed=6)
+    w, _ = _random_blocks(kind, 21, 2 * max(FORMATS[kind].block_weights, 64), seed=6)
     index = torch.tensor([20, 0, 7, 8, 15, 20, 3])
     before = kernels(isa).rows(w, index)
     kernels(isa).pack(w)
@@ -218,7 +234,7 @@ def test_rows_from_the_packed_copy_are_the_file_rows_bit_for_bit(isa, kind):
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_rows_of_every_block_format_are_the_gguf_reference_rows(isa, kind):
     # The embedding of a tied model is read from the LM head's blocks, one token row at a time.
-    w, dense = _random_blocks(kind, 40, 2 * max(FORMATS[kind][1], 64), seed=5)
+    w, dense = _random_blocks(kind, 40, 2 * max(FORMATS[kind].block_weights, 64), seed=5)
     index = torch.tensor([7, 0, 39, 7, 12])
     ours, reference = kernels(isa).rows(w, index), dense[index]
     assert torch.equal(ours.nan_to_num(), reference.nan_to_num())  # random bytes hold NaN weights too

@@ -1,4 +1,5 @@
-"""Parrot's compiled CPU kernels (``csrc/kernels.cpp``), one library per instruction set.
+"""Parrot's compiled CPU kernels (``csrc/``: ``kernels.cpp`` and the headers it includes), one
+library per instruction set.
 
 The same source is compiled for AVX-512, for AVX2 + FMA and for a portable target (plain C++
 vectors the compiler maps to SSE2, NEON, ...), each into its own shared library with a C
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from parrot.engine.paths import cache_root
+from parrot.engine.quant import FORMATS, Format
 
 if TYPE_CHECKING:
     from parrot.engine.quant import BlockWeight
@@ -38,15 +40,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("parrot.engine")
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = [os.path.join(_CSRC, "kernels.cpp"), os.path.join(_CSRC, "simd.h"), os.path.join(_CSRC, "pool.h")]
+# The compiled file first; every file here is hashed into the library's cache key.
+SOURCES = [os.path.join(_CSRC, name) for name in (
+    "kernels.cpp", "formats.h", "tiles.h", "packed.h", "linear.h", "attention.h", "model.h", "simd.h", "pool.h")]
 # Instruction sets, best first: compiler flags and the /proc/cpuinfo flags they need.
 ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "avx512": (["-DPARROT_AVX512", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c"], ("avx512f", "avx512bw", "fma", "f16c")),
     "avx2": (["-DPARROT_AVX2", "-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
     "portable": ([], ()),
 }
-# Block formats by their number in csrc/kernels.cpp (enum Kind).
-KIND = {kind: i for i, kind in enumerate(("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"))}
+# Block formats by their number in the library (their place in quant.FORMATS and csrc/formats.h).
+KIND = {name: i for i, name in enumerate(FORMATS)}
 
 
 def _cpu_flags() -> set[str]:
@@ -123,27 +127,58 @@ def mats(parts: "Sequence[BlockWeight]", bias: torch.Tensor | None = None) -> li
     return chain
 
 
+class FormatTableMismatch(Exception):
+    """A kernel library whose table of block formats is not quant.FORMATS: a format's number
+    would name another format in it. Not an error to fall back from quietly (the sources and the
+    Python table disagree), so kernels() lets it through."""
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    """The argument and result types of the library's C interface."""
+    lib.parrot_format_count.restype = ctypes.c_int32
+    lib.parrot_format_info.argtypes = [ctypes.c_int32, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int32),
+                                       ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
+    lib.parrot_linear.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                  ctypes.c_int]
+    lib.parrot_attention.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [
+        ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    lib.parrot_attention_supports.argtypes = [ctypes.c_int64] * 3
+    lib.parrot_forward.argtypes = [ctypes.POINTER(ModelDesc), ctypes.c_int64, ctypes.POINTER(SeqDesc),
+                                   ctypes.c_void_p, ctypes.c_void_p]
+    lib.parrot_rows.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.parrot_packed_bytes.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]
+    lib.parrot_packed_bytes.restype = ctypes.c_int64
+    lib.parrot_pack.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p]
+    lib.parrot_isa.restype = ctypes.c_char_p
+    lib.parrot_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.parrot_read.restype = ctypes.c_float
+
+
+def library_formats(lib: ctypes.CDLL) -> list[Format]:
+    """The library's table of block formats (csrc/formats.h's PARROT_FORMATS), in its order."""
+    name, ggml, size, weights = ctypes.c_char_p(), ctypes.c_int32(), ctypes.c_int64(), ctypes.c_int64()
+    formats = []
+    for i in range(lib.parrot_format_count()):
+        lib.parrot_format_info(i, ctypes.byref(name), ctypes.byref(ggml), ctypes.byref(size), ctypes.byref(weights))
+        formats.append(Format(name.value.decode() if name.value else "", ggml.value, size.value, weights.value))
+    return formats
+
+
 class Kernels:
     """One loaded kernel library. Tensors passed in are float32, contiguous, on the CPU."""
 
     def __init__(self, isa: str, lib: ctypes.CDLL) -> None:
         self.isa = isa
         self._lib = lib
-        lib.parrot_linear.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                                      ctypes.c_int]
-        lib.parrot_attention.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [
-            ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-        lib.parrot_attention_supports.argtypes = [ctypes.c_int64] * 3
-        lib.parrot_forward.argtypes = [ctypes.POINTER(ModelDesc), ctypes.c_int64, ctypes.POINTER(SeqDesc),
-                                       ctypes.c_void_p, ctypes.c_void_p]
-        lib.parrot_rows.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-        lib.parrot_packed_bytes.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]
-        lib.parrot_packed_bytes.restype = ctypes.c_int64
-        lib.parrot_pack.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p]
-        lib.parrot_isa.restype = ctypes.c_char_p
-        lib.parrot_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-        lib.parrot_read.restype = ctypes.c_float
+        declare(lib)
         assert lib.parrot_isa().decode() == isa
+        # Mat.kind is a format's place in the table: the library's must be quant.FORMATS.
+        self.formats = library_formats(lib)
+        if self.formats != list(FORMATS.values()):
+            ours, theirs = set(FORMATS.values()), set(self.formats)
+            raise FormatTableMismatch(
+                f"the {isa} kernel library's block formats are not quant.FORMATS (library only: "
+                f"{sorted(theirs - ours)}; Python only: {sorted(ours - theirs)}; or in another order)")
 
     @staticmethod
     def threads() -> int:
@@ -153,7 +188,7 @@ class Kernels:
                bias: torch.Tensor | None = None, q8: bool = False) -> torch.Tensor:
         """``x @ W.T (+ bias)``: x [M, K] float32, W in GGUF blocks (or parts of W along N, each
         in its own format); returns [M, N]. ``q8``: quantise x to 8 bits per 32 for the parts in
-        integer formats (the faster path; see csrc/kernels.cpp)."""
+        integer formats (the faster path; see csrc/packed.h)."""
         parts = [weight] if not isinstance(weight, Sequence) else list(weight)
         if q8:
             for part in parts:
@@ -170,7 +205,7 @@ class Kernels:
 
     def pack(self, weight: "BlockWeight") -> None:
         """Give ``weight`` its packed copy for the 8-bit path (8 weight rows interleaved; see
-        csrc/kernels.cpp), once; formats without one are left as they are."""
+        csrc/packed.h), once; formats without one are left as they are."""
         if weight.packed is not None:
             return
         n, k = weight.shape
@@ -222,7 +257,7 @@ class Kernels:
         return data.numel() * 4 / best
 
     def forward(self, model: ModelDesc, seqs: Sequence[SeqDesc], ids: torch.Tensor, logits: torch.Tensor) -> None:
-        """One decoding pass of ``model`` (see ``csrc/kernels.cpp``): ids int64 [sum n],
+        """One decoding pass of ``model`` (see ``csrc/model.h``): ids int64 [sum n],
         logits float32 [sum num_logits, vocab] written in place."""
         array = (SeqDesc * len(seqs))(*seqs)
         model.threads = self.threads()
@@ -233,17 +268,21 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _build(isa: str) -> str:
-    """Compile the library for ``isa`` (once; cached by source, flags and compiler)."""
+def _build(isa: str, format_header: str | None = None) -> str:
+    """Compile the library for ``isa`` (once; cached by source, flags and compiler). For tests
+    only: ``format_header``, a header of extra block formats to compile in (csrc/formats.h's
+    PARROT_EXTRA_FORMAT_HEADER), cached by its contents."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     flags = ["-O3", "-std=c++20", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", *ISAS[isa][0]]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     digest = hashlib.sha256(" ".join([cxx, *version, *flags]).encode())
-    for path in SOURCES:
+    for path in SOURCES + ([format_header] if format_header is not None else []):
         with open(path, "rb") as f:
             digest.update(f.read())
+    if format_header is not None:
+        flags.append(f'-DPARROT_EXTRA_FORMAT_HEADER="{os.path.abspath(format_header)}"')
     directory = os.path.join(cache_root(), "kernels")
     target = os.path.join(directory, f"libparrot_{isa}_{digest.hexdigest()[:12]}.so")
     if os.path.isfile(target):
@@ -268,7 +307,7 @@ def _load(isa: str) -> Kernels:
 def kernels(isa: str | None = None) -> Kernels | None:
     """The kernel set ``isa``, or by default the best this CPU runs and this compiler builds
     (``PARROT_KERNELS`` to pick one); None, with the reason logged, when kernels are off or none
-    can be built."""
+    can be built. FormatTableMismatch when a library's formats are not quant.FORMATS."""
     if isa is None:
         chosen = os.environ.get("PARROT_KERNELS", "")
         if chosen == "0":

@@ -7,7 +7,7 @@ Here:
 
 - with GGUF blocks for every linear layer (the usual case on CPU), every pass, prompt chunks
   included (in pieces of PIECE rows), is one call of the compiled kernels (kernels.py,
-  csrc/kernels.cpp: norms, block linears, RoPE, attention, SiLU, residuals), which computes every
+  csrc/model.h: norms, block linears, RoPE, attention, SiLU, residuals), which computes every
   row on its own, so a token's logits and KV are the same bit for bit alone, with a draft, or
   however its prompt was chunked (what the prefix cache relies on);
 - otherwise (no blocks, or not on CPU) sequences feeding up to 32 tokens go through the block

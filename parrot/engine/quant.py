@@ -1,8 +1,8 @@
-"""GGUF block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32), kept in the
-file's own block layout: read, checked, cached.
+"""GGUF block weights in the formats the kernels run (FORMATS), kept in the file's own block
+layout: read, checked, cached.
 
 A decoding pass over a few tokens is bound by reading the weights: the embedded model's float32
-weights are 540 MB, its GGUF blocks 96 MB. The compiled kernels (kernels.py, csrc/kernels.cpp)
+weights are 540 MB, its GGUF blocks 96 MB. The compiled kernels (kernels.py, csrc/formats.h)
 multiply float32 activations by the blocks directly, expanding each block in registers exactly
 as the GGUF defines it.
 
@@ -24,7 +24,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -42,14 +42,25 @@ _GGUF_NAMES = {
 }
 
 
-# The block formats the kernels run (csrc/kernels.cpp has their layouts): bytes of one block and
-# the weights it holds, by Parrot's name of the GGUF type.
-FORMATS = {
-    "f32": (128, 32), "f16": (64, 32), "bf16": (64, 32),
-    "q4_0": (18, 32), "q4_1": (20, 32), "q5_0": (22, 32), "q5_1": (24, 32), "q8_0": (34, 32),
-    "q4_k": (144, 256), "q5_k": (176, 256), "q6_k": (210, 256),
-}
-GGUF_KINDS = {kind.upper(): kind for kind in FORMATS}
+class Format(NamedTuple):
+    """A block format the kernels run: a GGUF block as ggml defines it (ggml.h's type id, bytes
+    of one block, weights it holds) under Parrot's name for it (the GGML type's, in lower case)."""
+
+    name: str
+    ggml_type: int
+    block_bytes: int
+    block_weights: int
+
+
+# The block formats the kernels run, by name, in the order of csrc/formats.h's PARROT_FORMATS
+# (which has their layouts): a format's number in the kernel library is its place here, and
+# kernels.py checks that the library's table is this one when it loads it.
+FORMATS: dict[str, Format] = {f.name: f for f in (
+    Format("f32", 0, 4, 1), Format("f16", 1, 2, 1), Format("bf16", 30, 2, 1),
+    Format("q4_0", 2, 18, 32), Format("q4_1", 3, 20, 32), Format("q5_0", 6, 22, 32), Format("q5_1", 7, 24, 32),
+    Format("q8_0", 8, 34, 32), Format("q4_k", 12, 144, 256), Format("q5_k", 13, 176, 256), Format("q6_k", 14, 210, 256),
+)}
+GGUF_KINDS = {name.upper(): name for name in FORMATS}  # GGML type name -> format name
 
 
 @dataclass
@@ -69,8 +80,8 @@ class BlockWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        size, weights = FORMATS[self.kind]
-        return self.data.shape[0], self.data.shape[1] // size * weights
+        f = FORMATS[self.kind]
+        return self.data.shape[0], self.data.shape[1] // f.block_bytes * f.block_weights
 
     @property
     def nbytes(self) -> int:
@@ -143,14 +154,15 @@ def _libc() -> Any:
 
 
 def _from_gguf_tensor(tensor: Any) -> BlockWeight | None:
-    """The blocks of a GGUF tensor of a type the kernels run (None for other types)."""
+    """The blocks of a GGUF tensor of a type and shape the kernels run (None for others)."""
     kind = GGUF_KINDS.get(tensor.tensor_type.name)
     if kind is None:
         return None
     data = np.ascontiguousarray(np.asarray(tensor.data))
     with warnings.catch_warnings():  # a read-only memory map: the kernels only read it
         warnings.simplefilter("ignore", UserWarning)
-        return BlockWeight(kind, torch.from_numpy(data.view(np.uint8).reshape(data.shape[0], -1)))
+        weight = BlockWeight(kind, torch.from_numpy(data.view(np.uint8).reshape(data.shape[0], -1)))
+    return weight if weight.shape[1] % 32 == 0 else None  # the kernels read rows in units of 32 weights
 
 
 def permuted_qk(config: Any) -> bool:
@@ -231,21 +243,17 @@ _GGUF_SMALL = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
 _GGUF_BIASES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj"}
 
 
-# GGML type ids (ggml.h) of the formats Parrot reads: name, weights per block, bytes per block.
-# Other types are looked up in the gguf package's table, which is not imported otherwise (it
-# costs 1.4 MB resident; tests/test_quant.py checks these rows against it).
-GGML_TYPES = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
-}
+_BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}
 
 
 def ggml_type(type_id: int) -> tuple[str, int, int]:
-    """A GGML type's name, weights per block and bytes per block (ValueError for an unknown id)."""
-    known = GGML_TYPES.get(type_id)
+    """A GGML type's name, weights per block and bytes per block (ValueError for an unknown id).
+    The formats Parrot runs come from FORMATS; other types from the gguf package's table, which
+    is not imported otherwise (it costs 1.4 MB resident; tests/test_quant.py checks FORMATS
+    against it)."""
+    known = _BY_GGML_TYPE.get(type_id)
     if known is not None:
-        return known
+        return known.name.upper(), known.block_weights, known.block_bytes
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     kind = GGMLQuantizationType(type_id)
@@ -374,6 +382,8 @@ def read_gguf_native(gguf_path: str, config: Any) -> tuple[dict[str, BlockWeight
         kind = GGUF_KINDS.get(tensor.type)
         if kind is None or len(tensor.shape) != 2:
             raise ValueError(f"{tensor.name} is {tensor.type}, which the kernels do not run")
+        if tensor.shape[1] % 32:  # the kernels read rows in units of 32 weights
+            raise ValueError(f"{tensor.name} has rows of {tensor.shape[1]} weights, which the kernels do not run")
         with warnings.catch_warnings():  # a read-only memory map: the kernels only read it
             warnings.simplefilter("ignore", UserWarning)
             weight = BlockWeight(kind, torch.from_numpy(tensor.data), mapped=True)

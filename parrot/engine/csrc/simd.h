@@ -1,8 +1,8 @@
 // Float vectors of L lanes for one instruction set, chosen when the file is compiled:
 // PARROT_AVX512 (16 lanes, + F16C), PARROT_AVX2 (8 lanes, AVX2 + FMA + F16C), or neither (8 lanes of GCC
 // vector extensions, which the compiler turns into whatever the target has: SSE2, NEON, ...).
-// kernels.cpp is compiled once per instruction set into its own library; kernels.py picks one at
-// run time by what the CPU has (PARROT_KERNELS overrides).
+// kernels.cpp (with the headers it includes) is compiled once per instruction set into its own
+// library; kernels.py picks one at run time by what the CPU has (PARROT_KERNELS overrides).
 //
 // Every operation is a fixed sequence of instructions: a horizontal sum adds its lanes in the
 // same order every time, and nothing here depends on how many rows a kernel processes. All
@@ -67,7 +67,7 @@ inline F exp(F a) {
   return {_mm512_maskz_mov_ps(~under, _mm512_scalef_ps(p, k))};
 }
 
-// Integer lanes, for unpacking quantised weights (kernels.cpp, the block formats).
+// Integer lanes, for unpacking quantised weights (formats.h, the block formats).
 struct I { __m512i v; };
 inline I load_u8(const uint8_t* p) { return {_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))}; }
 inline I load_i8(const uint8_t* p) { return {_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))}; }
@@ -256,14 +256,12 @@ inline uint16_t to_half(float x) {
   return bits;
 }
 #endif
-// L lanes of a KV cache row, float32 or float16.
-inline F load_kv(const float* p) { return load(p); }
-inline F load_kv(const uint16_t* p) { return load_f16((const uint8_t*)p); }
 
 
 // ---------------------------------------------------------------------------------------------
 // 8-bit integer dot products, 32 bytes at a time in every build (the AVX-512 build uses the same
-// 256-bit instructions): the linear layers with quantised activations (kernels.cpp). Products
+// 256-bit instructions): the linear layers with quantised activations (packed.h); and vectors of
+// 8 floats (G), which the attention kernel also uses in every build (attention.h). Products
 // of one unsigned and one signed byte, summed in pairs and then in fours: lane k of dot(u, x)
 // is u[4k] x[4k] + ... + u[4k+3] x[4k+3], exactly (the callers keep |u| <= 128 and |x| <= 127,
 // so no 16-bit pair sum saturates).
@@ -334,7 +332,7 @@ inline H hsigned(const uint8_t* p) { return {_mm256_cvtepi8_epi16(_mm_loadu_si12
 inline S hdot(H a, H b) { return {_mm256_madd_epi16(a.v, b.v)}; }  // lane k: a[2k] b[2k] + a[2k+1] b[2k+1]
 inline S sadd(S a, S b) { return {_mm256_add_epi32(a.v, b.v)}; }
 inline S szero() { return {_mm256_setzero_si256()}; }
-// Row-interleaved weights (kernels.cpp, packed layout): 16-bit lanes of byte-pair products, their
+// Row-interleaved weights (packed.h, packed layout): 16-bit lanes of byte-pair products, their
 // sums, and the widening to int32 (lane k: lanes 2k + 2k + 1).
 inline H pdot16(B u, B x) { return {_mm256_maddubs_epi16(u.v, x.v)}; }
 inline H hplus(H a, H b) { return {_mm256_add_epi16(a.v, b.v)}; }

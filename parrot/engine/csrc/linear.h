@@ -1,0 +1,135 @@
+// Linear layers as the library's callers give them: a chain of weight matrices (parts along N,
+// each in its own block format), run in one parallel job on the float path (tiles.h) or the
+// 8-bit path (packed.h); and a matrix's rows, packed copy and its size. Each reaches its format's
+// struct through with_format (formats.h).
+
+#pragma once
+
+#include "packed.h"
+#include "pool.h"
+
+#include <algorithm>
+#include <memory>
+#include <vector>
+
+// One weight matrix as the library sees it (kernels.py builds these): N rows of K weights in
+// one block format, and optionally the next matrix of a fused layer (q|k|v of different
+// formats, as Q4_K_M files have), whose outputs follow along N.
+struct Mat {
+  int32_t kind;  // the format's place in PARROT_FORMATS
+  int64_t N, K;
+  const uint8_t* data;  // [N, K / weights per block blocks]
+  const float* bias;    // [N] or null
+  const Mat* next;      // the next part along N, or null
+  const uint8_t* packed;  // the 8-bit path's packed copy (parrot_pack) of an integer format, or null
+};
+
+namespace {
+
+// Bytes of one weight row of K weights in format W.
+template <class W>
+constexpr int64_t bytes_of(int64_t K) { return K / (32 * W::UNITS) * W::BYTES; }
+
+// One part of a layer: the 8-bit path when asked for and the part has it (a packed copy of a
+// 32-weight format, or a K-quant format; xu / xk are then the quantised x), the float path otherwise.
+template <class W>
+Tiles linear_part(const W& w, const uint8_t* packed, const float* x, const XU* xu, const XK* xk, int64_t M,
+                  float* y, int64_t N, int64_t ldy) {
+  if constexpr (W::SUPER) {
+    if (packed != nullptr && xk != nullptr && xk->supers == w.K / 256) return linear_kpacked(w, packed, *xk, M, y, N, ldy);
+  } else if constexpr (W::INTEGER) {
+    if (packed != nullptr && xu != nullptr && xu->K == w.K) return linear_packed(w, packed, *xu, M, y, N, ldy);
+  }
+  return linear_rows(w, x, M, w.K, y, N, ldy);
+}
+
+// Rows `rows` of W (one part), de-quantised as the kernels expand them (the gguf reference's
+// values): out [count, K].
+void matrix_rows(const Mat* w, const int64_t* rows, int64_t count, float* out) {
+  with_format(w->kind, [&]<class W>() {
+    if constexpr (W::INTEGER) {
+      if (w->packed != nullptr) {  // the file's blocks may have been handed back: read the packed copy
+        expand_packed_rows<W>(w->packed, w->K, rows, count, out);
+        return;
+      }
+    }
+    expand_rows(matrix<W>(w->data, w->K), rows, count, out);
+  });
+}
+
+// Bytes of the packed copy for the 8-bit path of N rows of K weights in format `kind` (0: the
+// format has none, or K is not a whole number of its super-blocks).
+int64_t packed_size(int32_t kind, int64_t N, int64_t K) {
+  const int64_t groups = (N + 7) / 8;
+  int64_t size = 0;
+  with_format(kind, [&]<class W>() {
+    if constexpr (W::SUPER) size = K % 256 ? 0 : groups * (K / 256) * KLayout<W>::BYTES;
+    else if constexpr (W::INTEGER) size = groups * (K / 32) * Pack<W>::BYTES;
+  });
+  return size;
+}
+
+// W (one part) packed into out (packed_size of it).
+void pack_matrix(const Mat* w, uint8_t* out) {
+  with_format(w->kind, [&]<class W>() {
+    if constexpr (W::SUPER) kpack(matrix<W>(w->data, w->K), w->N, out);
+    else if constexpr (W::INTEGER) pack(matrix<W>(w->data, w->K), w->N, out);
+  });
+}
+
+constexpr int64_t PIECES = 4;
+
+// y = x @ W^T (+ bias) for x [M, K]; y [M, total N of the parts]. `q8`: quantise x to 8 bits
+// for the parts that have the 8-bit path (the K-quant formats, and the 32-weight formats given
+// their packed copy); 0: float32 throughout.
+void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int q8) {
+  int64_t ldy = 0;
+  bool any_packed = false, any_super = false;
+  for (const Mat* p = w; p != nullptr; p = p->next) {
+    ldy += p->N;
+    with_format(p->kind, [&]<class W>() {
+      if constexpr (W::SUPER) any_super = true;
+      else if constexpr (W::INTEGER) any_packed |= p->packed != nullptr;
+    });
+  }
+  const std::unique_ptr<XU> xu(q8 && any_packed ? new XU(x, M, w->K) : nullptr);
+  const std::unique_ptr<XK> xk(q8 && any_super && w->K % 256 == 0 ? new XK(x, M, w->K) : nullptr);
+  std::vector<Tiles> parts;
+  std::vector<int64_t> first, bytes;  // each part's first cost unit in the job and bytes per tile
+  int64_t total = 0, offset = 0;
+  for (const Mat* p = w; p != nullptr; offset += p->N, p = p->next) {
+    const int64_t K = p->K, N = p->N;
+    Tiles part{[](int64_t) {}, 0};  // a kind the table does not have computes nothing
+    int64_t row_bytes = 0;
+    with_format(p->kind, [&]<class W>() {
+      part = linear_part(matrix<W>(p->data, K), p->packed, x, xu.get(), xk.get(), M, y + offset, N, ldy);
+      row_bytes = bytes_of<W>(K);
+    });
+    parts.push_back(std::move(part));
+    const Tiles& added = parts.back();
+    first.push_back(total);
+    bytes.push_back(std::max<int64_t>(1, row_bytes * ((N + added.count - 1) / std::max<int64_t>(1, added.count))));
+    total += added.count * bytes.back();
+  }
+  // One job over every part's tiles (a layer of several parts costs one hand-off to the
+  // threads), split into pieces of equal bytes of weights: parts in different formats (a Q4_K_M
+  // file's q, k and v) cost different amounts per tile. PIECES per thread, claimed as the threads
+  // come free: with one piece each, the thread that started later or read slower memory kept the
+  // other waiting at the end of every layer.
+  const int64_t pieces = std::max(1, threads) * PIECES;
+  pool(threads).parallel_for(pieces, [&](int64_t id) {
+    const int64_t lo = total * id / pieces, hi = total * (id + 1) / pieces;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      // Tile t of part i starts at first[i] + t bytes[i]; it is this thread's if that is in [lo, hi).
+      const auto from = [&](int64_t at) { return std::clamp<int64_t>((at - first[i] + bytes[i] - 1) / bytes[i], 0, parts[i].count); };
+      for (int64_t t = from(lo), end = from(hi); t < end; ++t) parts[i].run(t);
+    }
+  }, pieces);
+  offset = 0;
+  for (const Mat* p = w; p != nullptr; offset += p->N, p = p->next)
+    if (p->bias != nullptr)
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t n = 0; n < p->N; ++n) y[i * ldy + offset + n] += p->bias[n];
+}
+
+}  // namespace

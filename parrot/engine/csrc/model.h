@@ -1,0 +1,164 @@
+// A whole decoding pass of a Llama-family model in one call, for sequences that each feed a few
+// tokens: the embedding, then per layer norm, q|k|v, RoPE, the KV cache, attention, o, norm,
+// gate|up, SiLU, down and the residuals, then the final norm and the LM head.
+//
+// Why a whole pass in one call: a decoding pass over the embedded model is ~20 small operations
+// in each of 30 layers; dispatched one by one from Python/torch they cost more than the
+// arithmetic (the weights of a 135M model stream from memory in a few milliseconds).
+
+#pragma once
+
+#include "attention.h"
+#include "linear.h"
+
+#include <cmath>
+#include <vector>
+
+// The model and the sequences of a pass as the library sees them (kernels.py builds these).
+struct Layer {
+  Mat qkv, o, gate_up, down;  // q|k|v and gate|up fused along N
+  const float* input_norm;    // [hidden]
+  const float* post_norm;     // [hidden]
+};
+
+struct Model {
+  int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, max_positions;
+  float eps, scale;
+  int32_t threads;
+  int32_t q8;               // 8-bit activations for integer block formats (linear.h)
+  int32_t kv16;             // the caches hold float16 (else float32)
+  const float* embed;       // [vocab, hidden] float32 rows, or null: rows of embed_blocks
+  const Mat* embed_blocks;  // the embedding in blocks (a tied LM head's), expanded per token
+  const float* cos;         // [max_positions, head_dim]
+  const float* sin;
+  const float* final_norm;  // [hidden]
+  Mat lm_head;
+  const Layer* layers;
+};
+
+// One sequence of a pass: its cache (k, v [layers, kv_heads, capacity, head_dim], float16 where
+// the model's kv16 is set, else float32; `start` positions filled), the n tokens it feeds, and
+// how many of its last rows need logits.
+struct Seq {
+  void* k;
+  void* v;
+  int64_t capacity, start, n, num_logits;
+};
+
+namespace {
+
+// transformers' LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)), the sum of squares in a fixed order.
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t H, float eps, float* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* xr = x + i * H;
+    F sq = zero();
+    int64_t h = 0;
+    for (; h + L <= H; h += L) { const F v = load(xr + h); sq = fmadd(v, v, sq); }
+    float sum = hsum(sq);
+    for (; h < H; ++h) sum += xr[h] * xr[h];
+    const float inv = 1.0f / std::sqrt(sum / (float)H + eps);
+    for (h = 0; h < H; ++h) out[i * H + h] = weight[h] * (xr[h] * inv);
+  }
+}
+
+// x * cos + rotate_half(x) * sin over each head of one row (rotate_half(x) = [-x2, x1]).
+void rope(float* x, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  float tmp[256];
+  for (int64_t h = 0; h < heads; ++h) {
+    float* xh = x + h * D;
+    for (int64_t d = 0; d < half; ++d) tmp[d] = xh[d] * cos[d] + (-xh[d + half]) * sin[d];
+    for (int64_t d = half; d < D; ++d) tmp[d] = xh[d] * cos[d] + xh[d - half] * sin[d];
+    std::memcpy(xh, tmp, D * sizeof(float));
+  }
+}
+
+// silu(gate) * up = gate * up / (1 + exp(-gate)), per row [gate | up] -> [I].
+void silu_mul(const float* gu, int64_t rows, int64_t I, float* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* g = gu + i * 2 * I;
+    const float* u = g + I;
+    int64_t j = 0;
+    for (; j + L <= I; j += L) {
+      const F gv = load(g + j);
+      store(out + i * I + j, div(mul(gv, load(u + j)), add(set1(1.0f), exp(sub(zero(), gv)))));
+    }
+    for (; j < I; ++j) out[i * I + j] = g[j] * u[j] / (1.0f + std::exp(-g[j]));
+  }
+}
+
+// ids: every sequence's tokens, concatenated; logits: [sum of num_logits, vocab]. Each cache
+// grows by its n tokens (the caller has reserved the room and updates its lengths).
+void forward(const Model* md, int64_t num_seqs, const Seq* seqs, const int64_t* ids, float* logits) {
+  const int64_t H = md->hidden, D = md->head_dim, heads = md->heads, kvh = md->kv_heads, I = md->intermediate;
+  const int64_t q_width = heads * D, kv_width = kvh * D, qkv_width = q_width + 2 * kv_width;
+  int64_t M = 0, rows_out = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) { M += seqs[s].n; rows_out += seqs[s].num_logits; }
+  std::vector<float> hidden(M * H), x(M * H), tmp(M * H), qkv(M * qkv_width), att(M * q_width),
+      gu(M * 2 * I), act(M * I);
+  if (md->embed != nullptr) {
+    for (int64_t i = 0; i < M; ++i) std::memcpy(&hidden[i * H], md->embed + ids[i] * H, H * sizeof(float));
+  } else {
+    matrix_rows(md->embed_blocks, ids, M, hidden.data());
+  }
+
+  for (int64_t l = 0; l < md->num_layers; ++l) {
+    const Layer& layer = md->layers[l];
+    rms_norm(hidden.data(), layer.input_norm, M, H, md->eps, x.data());
+    linear(&layer.qkv, x.data(), M, qkv.data(), md->threads, md->q8);
+    int64_t row = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const Seq& seq = seqs[s];
+      const int64_t cache_layer = l * kvh * seq.capacity * D;
+      for (int64_t t = 0; t < seq.n; ++t) {
+        const int64_t pos = seq.start + t;
+        float* r = &qkv[(row + t) * qkv_width];
+        rope(r, heads + kvh, D, md->cos + pos * D, md->sin + pos * D);  // q and k heads are adjacent
+        for (int64_t h = 0; h < kvh; ++h) {
+          const int64_t at = cache_layer + (h * seq.capacity + pos) * D;
+          const float *kr = r + q_width + h * D, *vr = r + q_width + kv_width + h * D;
+          if (md->kv16) {
+            for (int64_t d = 0; d < D; ++d) {
+              static_cast<uint16_t*>(seq.k)[at + d] = to_half(kr[d]);
+              static_cast<uint16_t*>(seq.v)[at + d] = to_half(vr[d]);
+            }
+          } else {
+            std::memcpy(static_cast<float*>(seq.k) + at, kr, D * sizeof(float));
+            std::memcpy(static_cast<float*>(seq.v) + at, vr, D * sizeof(float));
+          }
+        }
+      }
+      // The attention kernel reads q as [n, heads, D]: gather this sequence's q rows.
+      std::vector<float> q(seq.n * q_width);
+      for (int64_t t = 0; t < seq.n; ++t) std::memcpy(&q[t * q_width], &qkv[(row + t) * qkv_width], q_width * sizeof(float));
+      if (md->kv16)
+        attention(q.data(), seq.n, heads, D, static_cast<const uint16_t*>(seq.k) + cache_layer,
+                  static_cast<const uint16_t*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + seq.n, md->scale,
+                  &att[row * q_width], md->threads);
+      else
+        attention(q.data(), seq.n, heads, D, static_cast<const float*>(seq.k) + cache_layer,
+                  static_cast<const float*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + seq.n, md->scale,
+                  &att[row * q_width], md->threads);
+      row += seq.n;
+    }
+    linear(&layer.o, att.data(), M, tmp.data(), md->threads, md->q8);
+    for (int64_t i = 0; i < M * H; ++i) hidden[i] += tmp[i];
+    rms_norm(hidden.data(), layer.post_norm, M, H, md->eps, x.data());
+    linear(&layer.gate_up, x.data(), M, gu.data(), md->threads, md->q8);
+    silu_mul(gu.data(), M, I, act.data());
+    linear(&layer.down, act.data(), M, tmp.data(), md->threads, md->q8);
+    for (int64_t i = 0; i < M * H; ++i) hidden[i] += tmp[i];
+  }
+  // Logits of each sequence's last num_logits rows.
+  std::vector<float> last(rows_out * H);
+  int64_t row = 0, out_row = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t first = row + seqs[s].n - seqs[s].num_logits;
+    rms_norm(&hidden[first * H], md->final_norm, seqs[s].num_logits, H, md->eps, &last[out_row * H]);
+    out_row += seqs[s].num_logits;
+    row += seqs[s].n;
+  }
+  if (rows_out > 0) linear(&md->lm_head, last.data(), rows_out, logits, md->threads, md->q8);
+}
+
+}  // namespace

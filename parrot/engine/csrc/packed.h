@@ -1,0 +1,426 @@
+// The 8-bit path of the linear layers: x rounded to 8 bits, weights in a packed copy with 8 weight
+// rows interleaved (one layout for the 32-weight formats, one for the K-quant formats), products
+// summed in integers. What differs between formats comes from their structs (formats.h).
+
+#pragma once
+
+#include "tiles.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Linear layers with 8-bit activations: each row of x is quantised per unit of 32 (as Q8_0:
+// a float multiplier and 32 signed bytes) and each unit's dot product with a weight unit is an
+// exact integer sum of byte products, scaled once: 32 multiply-adds in two instructions where
+// the float path spends four multiply-adds and the expansion of the weights to floats. A row's
+// quantisation depends on its own values only, and its sums run in the same order whatever the
+// tile, so this path is batch-invariant as the float one is; it rounds x to 8 bits first (as
+// llama.cpp does for these formats), which the float path does not.
+
+// ---------------------------------------------------------------------------------------------
+// Packed weights for the 8-bit path: the 32-weight formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with
+// 8 weight rows interleaved, so that one vector of byte products covers 8 weight rows at once.
+//
+// Why: in the file's layout a unit's 32 products for one weight row end in one vector whose lanes
+// must be summed, converted and scaled per row (~5 instructions per 32 multiply-adds); an 8-token
+// verify pass or a prompt chunk was bound by that bookkeeping, not by the multiplications. Here
+// the lanes are the 8 weight rows: step t (t = 0..7) of a unit is one vector holding weights
+// 4t..4t+3 of each of the 8 rows, multiplied by x's bytes 4t..4t+3 broadcast; the 8 steps' 16-bit
+// sums add up (4-bit values: at most 8 x 2 x 15 x 127, no overflow) and widen once, and one
+// conversion and one multiply-add scale the unit for all 8 rows. Each weight row still gets
+// exactly its own unit sums in unit order: a row's result does not depend on the rows of x
+// computed with it (batch invariance) or on which group or thread computed it.
+//
+// A group (8 weight rows; the last one padded with zero rows) holds its units one after the
+// other, each Pack<W>::BYTES bytes, the same size as the file's 8 blocks:
+//   d: 8 float16 (row r at 2r) | m: 8 float16 (formats with a min) | h: 32 bytes of 5th bits
+//   (5-bit formats; bit t of byte 4r + j: the 5th bit of value 4t + j of row r) | q: 4-bit
+//   formats 128 bytes (byte 32p + 4r + j: value 4p + j of row r in the low nibble, 4(p + 4) + j
+//   in the high one), Q8_0 256 bytes (byte 32t + 4r + j: value 4t + j of row r).
+template <class W>
+struct Pack {
+  static constexpr int64_t M_AT = 16, H_AT = W::MIN ? 32 : 16, Q_AT = H_AT + (W::BITS == 5 ? 32 : 0);
+  static constexpr int64_t BYTES = Q_AT + (W::BITS == 8 ? 256 : 128);
+  // Value k of row r: in byte q_byte (its low 4 bits from q_shift, or the whole byte for Q8_0);
+  // a 5-bit format's 5th bit is bit k / 4 of byte h_byte. pack writes there, unpack_row reads.
+  static int64_t q_byte(int k, int64_t r) { return Q_AT + 32 * (W::BITS == 8 ? k / 4 : k / 4 % 4) + 4 * r + k % 4; }
+  static int q_shift(int k) { return W::BITS == 8 || k / 4 < 4 ? 0 : 4; }
+  static int64_t h_byte(int k, int64_t r) { return H_AT + 4 * r + k % 4; }
+};
+
+template <class W>
+void pack(const W& w, int64_t N, uint8_t* out) {
+  using P = Pack<W>;
+  const int64_t units = w.K / 32, groups = (N + 7) / 8;
+  std::memset(out, 0, groups * units * P::BYTES);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t b = 0; b < units; ++b) {
+      uint8_t* o = out + (g * units + b) * P::BYTES;
+      for (int64_t r = 0; r < 8 && g * 8 + r < N; ++r) {
+        const uint8_t* blk = w.block(g * 8 + r, b);
+        uint8_t values[32];
+        bytes::bstore(values, W::bytes(blk, b));
+        std::memcpy(o + 2 * r, blk, 2);
+        if constexpr (W::MIN) std::memcpy(o + P::M_AT + 2 * r, blk + 2, 2);
+        for (int k = 0; k < 32; ++k) {
+          if constexpr (W::BITS == 8) {
+            o[P::q_byte(k, r)] = values[k];
+          } else {
+            o[P::q_byte(k, r)] |= (uint8_t)((values[k] & 15) << P::q_shift(k));
+            if constexpr (W::BITS == 5) o[P::h_byte(k, r)] |= (uint8_t)(((values[k] >> 4) & 1) << (k / 4));
+          }
+        }
+      }
+    }
+}
+
+// Rows of x quantised per unit of 32 for the packed kernels: q [M, K], and per row and unit its
+// multiplier d, s = d times the sum of its q (the min term), and the sum of its q (the offset term).
+struct XU {
+  int64_t K, units;
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> sum;
+  XU(const float* x, int64_t M, int64_t K_) : K(K_), units(K_ / 32), q(M * K_), d(M * units), s(M * units), sum(M * units) {
+    for (int64_t at = 0; at < M * units; ++at) {
+      int32_t fours[8];
+      d[at] = bytes::quantize(x + at * 32, &q[at * 32], fours);
+      int32_t total = 0;
+      for (int k = 0; k < 8; ++k) total += fours[k];
+      sum[at] = total;
+      s[at] = d[at] * (float)total;
+    }
+  }
+};
+
+// A group's outputs for MT rows of x: the first `valid` lanes of each accumulator, ldy apart.
+template <int MT>
+inline void store_group(const bytes::G* acc, float* y, int64_t ldy, int64_t valid) {
+  for (int i = 0; i < MT; ++i) {
+    float lanes[8];
+    bytes::gstore(lanes, acc[i]);
+    std::memcpy(y + i * ldy, lanes, valid * sizeof(float));
+  }
+}
+
+// One tile per group of 8 weight rows (`stride` bytes apart in `packed`), all M rows of x through
+// it 4 at a time (16 registers: 4 accumulators, 4 sums, the weights and x's bytes):
+// run(MT, group, row, n, valid) computes rows row .. row + MT - 1 against the group of outputs n ...
+template <class Run>
+Tiles group_tiles(const uint8_t* packed, int64_t stride, int64_t M, int64_t N, Run run) {
+  return {[=](int64_t g) {
+            const uint8_t* group = packed + g * stride;
+            const int64_t n = g * 8, valid = std::min<int64_t>(8, N - n);
+            int64_t i = 0;
+            for (; i + 4 <= M; i += 4) run(std::integral_constant<int, 4>{}, group, i, n, valid);
+            switch (M - i) {
+              case 3: run(std::integral_constant<int, 3>{}, group, i, n, valid); break;
+              case 2: run(std::integral_constant<int, 2>{}, group, i, n, valid); break;
+              case 1: run(std::integral_constant<int, 1>{}, group, i, n, valid); break;
+              default: break;
+            }
+          },
+          (N + 7) / 8};
+}
+
+// MT rows of x (from `row`) against one group of 8 weight rows (outputs n .. n + valid - 1).
+template <int MT, class W>
+inline void ptile(const uint8_t* group, const XU& x, int64_t row, int64_t n, int64_t valid, float* y, int64_t ldy) {
+  using namespace bytes;
+  using P = Pack<W>;
+  const int64_t units = x.units;
+  const int8_t* xq[MT];
+  const float *xd[MT], *xs[MT];
+  const int32_t* xsum[MT];
+  G acc[MT];
+  for (int i = 0; i < MT; ++i) {
+    acc[i] = gzero();
+    xq[i] = &x.q[(row + i) * x.K];
+    xd[i] = &x.d[(row + i) * units];
+    xs[i] = &x.s[(row + i) * units];
+    xsum[i] = &x.sum[(row + i) * units];
+  }
+  for (int64_t b = 0; b < units; ++b) {
+    const uint8_t* blk = group + b * P::BYTES;
+    // Fetched ahead for tiles of several rows of x; a one-row tile streams its group once, in
+    // order, and the fetches only added to the misses in flight (1B Q4_K_M one-token pass 10% faster without).
+    if constexpr (MT > 1)
+      for (int64_t o = 0; o < P::BYTES; o += 64) __builtin_prefetch(blk + AHEAD + o);
+    S sum[MT];
+    if constexpr (W::BITS == 8) {
+      for (int i = 0; i < MT; ++i) sum[i] = szero();
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const B wt = load(blk + P::Q_AT + 32 * t), wa = babs(wt);
+        for (int i = 0; i < MT; ++i) sum[i] = sadd(sum[i], dot(wa, sign_of(bcast4(xq[i] + 32 * b + 4 * t), wt)));
+      }
+    } else {
+      H part[MT];
+      for (int i = 0; i < MT; ++i) part[i] = hzero();
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        B wt = bits(load(blk + P::Q_AT + 32 * (t % 4)), t < 4 ? 0 : 4, 15);
+        if constexpr (W::BITS == 5) wt = bor(wt, fifth(load(blk + P::H_AT), t));
+        for (int i = 0; i < MT; ++i) {
+          part[i] = hplus(part[i], pdot16(wt, bcast4(xq[i] + 32 * b + 4 * t)));
+          hpin(part[i]);  // summed in step order, not as a tree of all 8 steps' products (which spills)
+        }
+        if (W::BITS == 5 && t == 3)  // 5-bit values: widen every 4 steps (8 would overflow 16 bits)
+          for (int i = 0; i < MT; ++i) { sum[i] = widen(part[i]); part[i] = hzero(); }
+      }
+      for (int i = 0; i < MT; ++i) sum[i] = W::BITS == 5 ? sadd(sum[i], widen(part[i])) : widen(part[i]);
+    }
+    const G dw = ghalf8(blk);
+    for (int i = 0; i < MT; ++i) {
+      if constexpr (W::SHIFT > 0) sum[i] = ssub(sum[i], sset1(xsum[i][b] << W::SHIFT));
+      acc[i] = gfmadd(gfloat(sum[i]), gmul(dw, gset1(xd[i][b])), acc[i]);
+      if constexpr (W::MIN) acc[i] = gfmadd(ghalf8(blk + P::M_AT), gset1(xs[i][b]), acc[i]);
+    }
+  }
+  store_group<MT>(acc, y + row * ldy + n, ldy, valid);
+}
+
+template <class W>
+Tiles linear_packed(const W& w, const uint8_t* packed, const XU& x, int64_t M, float* y, int64_t N, int64_t ldy) {
+  return group_tiles(packed, (w.K / 32) * Pack<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid) {
+    ptile<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy);
+  });
+}
+
+// Rows of x quantised per super-block of 256 for the K-quant formats: per row and super-block,
+// q (256 bytes), d and the sums of q by 16.
+// For the packed K-quant kernels also: the sums by 32, and q arranged as their steps read it
+// (`arranged(G)`: per pair of groups of G, 4 bytes a step: 2t, 2t + 1 of each group).
+struct XK {
+  int64_t supers;
+  std::vector<int8_t> q, q16, q32;
+  std::vector<int16_t> sums, sums32;
+  std::vector<float> d;
+  XK(const float* x, int64_t M, int64_t K)
+      : supers(K / 256), q(M * K), q16(M * K), q32(M * K), sums(M * supers * 16), sums32(M * supers * 8), d(M * supers) {
+    for (int64_t at = 0; at < M * supers; ++at) {
+      d[at] = bytes::quantize256(x + at * 256, &q[at * 256], &sums[at * 16]);
+      for (int g = 0; g < 8; ++g) sums32[at * 8 + g] = (int16_t)(sums[at * 16 + 2 * g] + sums[at * 16 + 2 * g + 1]);
+      arrange(&q[at * 256], 16, &q16[at * 256]);
+      arrange(&q[at * 256], 32, &q32[at * 256]);
+    }
+  }
+  const int8_t* arranged(int G) const { return G == 16 ? q16.data() : q32.data(); }
+
+ private:
+  static void arrange(const int8_t* in, int G, int8_t* out) {
+    for (int b = 0; b < 256 / (2 * G); ++b)
+      for (int t = 0; t < G / 2; ++t)
+        for (int j = 0; j < 4; ++j) out[b * 2 * G + 4 * t + j] = in[(2 * b + j / 2) * G + 2 * t + j % 2];
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Packed K-quant weights for the 8-bit path (Q4_K, Q5_K, Q6_K), 8 weight rows interleaved as the
+// 32-weight formats' packed copy is. A super-block's integer scale belongs to a group of G
+// weights (the format's GROUP: 32 for Q4_K and Q5_K, 16 for Q6_K); groups go in pairs (a "block" of 2 G weights), and
+// step t of a block holds, for each of the 8 rows, weights 2t, 2t + 1 of the pair's first group
+// and 2t, 2t + 1 of its second: the 16-bit lanes of one vector of byte products are then (row r,
+// first group), (row r, second group), so a multiply-add by the 16 scales (each row's two) adds a
+// block's products into one int32 per row, exactly. x is arranged in the same order (XK::arranged).
+// A super-block's sum is converted and scaled once per row, as in the file layout's kernels.
+//
+// A super-block of a group of 8 rows, BYTES bytes: d (8 float16) | dmin (8 float16; formats with
+// a min: Q4_K, Q5_K) | scales: per block 16 bytes (row r's two at 2r) | mins likewise (formats
+// with a min) | per block: low 4 bits of S = G / 2 steps, two steps per byte (step t in the low
+// nibble of vector t % (S / 2) when t < S / 2, else the high), then the high bits of values of
+// more than 4 bits: 5-bit (Q5_K) one plane per 8 steps (bit t % 8), 6-bit (Q6_K) one plane per 4
+// steps (bits 2 (t % 4), 2 (t % 4) + 1).
+template <class W>
+struct KLayout {
+  static constexpr int G = W::GROUP, VB = W::VALUE_BITS, NB = 256 / (2 * G), S = G / 2;
+  static constexpr bool MIN = W::MIN;
+  static_assert(VB <= 6 && (G == 16 || G == 32), "values of up to 6 bits, in groups of 16 or 32");
+  static constexpr int FLUSH = VB <= 4 ? 8 : VB == 5 ? 4 : 2;  // steps whose 16-bit sums cannot overflow
+  static constexpr int64_t SC_AT = MIN ? 32 : 16, MN_AT = SC_AT + NB * 16, BLK_AT = MN_AT + (MIN ? NB * 16 : 0);
+  static constexpr int64_t LOW = S / 2 * 32, HIGH = VB == 5 ? S / 8 * 32 : VB == 6 ? S / 4 * 32 : 0;
+  static constexpr int64_t BLOCK = LOW + HIGH, BYTES = BLK_AT + NB * BLOCK;
+  // Step t's byte j of row r in a pair's block holds value value_at(b, t, j) of the super-block:
+  // its low 4 bits at low_shift(t) of byte low_byte, its 5th/6th bits at high_shift(t) of byte
+  // high_byte. kpack writes there, kunpack_row reads.
+  static int value_at(int b, int t, int j) { return (2 * b + j / 2) * G + 2 * t + j % 2; }
+  static int64_t low_byte(int t, int64_t r, int j) { return 32 * (t % (S / 2)) + 4 * r + j; }
+  static int low_shift(int t) { return t < S / 2 ? 0 : 4; }
+  static int64_t high_byte(int t, int64_t r, int j) { return LOW + 32 * (VB == 5 ? t / 8 : t / 4) + 4 * r + j; }
+  static int high_shift(int t) { return VB == 5 ? t % 8 : 2 * (t % 4); }
+  static constexpr int HIGH_MASK = VB == 5 ? 1 : 3;
+};
+
+// Value k (0..255) of super-block `sb` of row n and its group's scale (and min).
+template <class W>
+void kvalues(const W& w, int64_t n, int64_t sb, uint8_t values[256], int scales[16], int mins[16]) {
+  const uint8_t* blk = w.block(n, sb * 8);
+  for (int u = 0; u < 8; ++u) bytes::bstore(values + 32 * u, W::bytes(blk, sb * 8 + u));
+  W::group_scales(blk, scales, mins);
+}
+
+template <class W>
+void kpack(const W& w, int64_t N, uint8_t* out) {
+  using P = KLayout<W>;
+  const int64_t supers = w.K / 256, groups = (N + 7) / 8;
+  std::memset(out, 0, groups * supers * P::BYTES);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      uint8_t* o = out + (g * supers + sb) * P::BYTES;
+      for (int64_t r = 0; r < 8 && g * 8 + r < N; ++r) {
+        const uint8_t* blk = w.block(g * 8 + r, sb * 8);
+        uint8_t values[256];
+        int scales[16], mins[16];
+        kvalues(w, g * 8 + r, sb, values, scales, mins);
+        std::memcpy(o + 2 * r, blk + W::D_AT, 2);
+        if constexpr (P::MIN) std::memcpy(o + 16 + 2 * r, blk + W::DMIN_AT, 2);
+        for (int b = 0; b < P::NB; ++b) {
+          for (int h = 0; h < 2; ++h) {
+            o[P::SC_AT + 16 * b + 2 * r + h] = (uint8_t)scales[2 * b + h];
+            if constexpr (P::MIN) o[P::MN_AT + 16 * b + 2 * r + h] = (uint8_t)mins[2 * b + h];
+          }
+          uint8_t* v = o + P::BLK_AT + b * P::BLOCK;
+          for (int t = 0; t < P::S; ++t)
+            for (int j = 0; j < 4; ++j) {
+              const int value = values[P::value_at(b, t, j)];
+              v[P::low_byte(t, r, j)] |= (uint8_t)((value & 15) << P::low_shift(t));
+              if constexpr (P::VB > 4) v[P::high_byte(t, r, j)] |= (uint8_t)(((value >> 4) & P::HIGH_MASK) << P::high_shift(t));
+            }
+        }
+      }
+    }
+}
+
+// MT rows of x (from `row`) against one group of 8 weight rows, a super-block at a time.
+template <int MT, class W>
+inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, int64_t valid, float* y, int64_t ldy) {
+  using namespace bytes;
+  using P = KLayout<W>;
+  const int64_t supers = x.supers;
+  const int8_t* xa[MT];
+  G acc[MT];
+  for (int i = 0; i < MT; ++i) { acc[i] = gzero(); xa[i] = x.arranged(P::G) + (row + i) * supers * 256; }
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* blk = group + sb * P::BYTES;
+    // Fetched ahead for tiles of several rows of x; a one-row tile streams its group once, in
+    // order, and the fetches only added to the misses in flight (1B Q4_K_M one-token pass 10% faster without).
+    if constexpr (MT > 1)
+      for (int64_t o = 0; o < P::BYTES; o += 64) __builtin_prefetch(blk + AHEAD + o);
+    S total[MT];
+    for (int i = 0; i < MT; ++i) total[i] = szero();
+    for (int b = 0; b < P::NB; ++b) {
+      const H scale = hsigned(blk + P::SC_AT + 16 * b);  // signed bytes (Q4_K's and Q5_K's 6-bit scales read the same)
+      const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
+      H part[MT];
+      for (int i = 0; i < MT; ++i) part[i] = hzero();
+#pragma GCC unroll 16
+      for (int t = 0; t < P::S; ++t) {
+        B wt = bits(load(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
+        if constexpr (P::VB == 5) wt = bor(wt, fifth(load(v + P::LOW + 32 * (t / 8)), t % 8));
+        if constexpr (P::VB == 6) wt = bor(wt, sixth(load(v + P::LOW + 32 * (t / 4)), t % 4));
+        for (int i = 0; i < MT; ++i) {
+          part[i] = hplus(part[i], pdot16(wt, bcast4(xa[i] + sb * 256 + b * 2 * P::G + 4 * t)));
+          hpin(part[i]);
+        }
+        if ((t + 1) % P::FLUSH == 0)
+          for (int i = 0; i < MT; ++i) { total[i] = sadd(total[i], hdot(part[i], scale)); part[i] = hzero(); }
+      }
+    }
+    const G dw = ghalf8(blk);
+    for (int i = 0; i < MT; ++i) {
+      const int64_t at = (row + i) * supers + sb;
+      const int16_t* xsums = P::G == 16 ? &x.sums[at * 16] : &x.sums32[at * 8];  // x's sums by group
+      if constexpr (W::SHIFT > 0) {  // weight = d scale (q - 2^SHIFT) (Q6_K: q - 32): less 2^SHIFT times the scales times x's sums
+        S offset = szero();
+        for (int b = 0; b < P::NB; ++b) offset = sadd(offset, hdot(hsigned(blk + P::SC_AT + 16 * b), hpair(xsums + 2 * b)));
+        total[i] = ssub(total[i], sshl(offset, W::SHIFT));
+      }
+      acc[i] = gfmadd(gfloat(total[i]), gmul(dw, gset1(x.d[at])), acc[i]);
+      if constexpr (P::MIN) {  // weight = d scale q - dmin min: less dmin times the mins times x's sums
+        S mins = szero();
+        for (int b = 0; b < P::NB; ++b) mins = sadd(mins, hdot(hbytes(blk + P::MN_AT + 16 * b), hpair(xsums + 2 * b)));
+        acc[i] = gfmadd(gfloat(mins), gmul(ghalf8(blk + 16), gset1(-x.d[at])), acc[i]);
+      }
+    }
+  }
+  store_group<MT>(acc, y + row * ldy + n, ldy, valid);
+}
+
+template <class W>
+Tiles linear_kpacked(const W& w, const uint8_t* packed, const XK& x, int64_t M, float* y, int64_t N, int64_t ldy) {
+  return group_tiles(packed, (w.K / 256) * KLayout<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid) {
+    kptile<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The file's blocks of one weight row, rebuilt from the packed copy (the inverse of pack and
+// kpack: every bit of a block is in the copy, so the bytes come back as the file has them). A
+// tied embedding's token rows are expanded from these, so that its file pages, handed back once
+// packed, are never read again (they came back, 64 KB around each row looked up, until the
+// whole embedding was resident twice).
+template <class W>
+void unpack_row(const uint8_t* packed, int64_t K, int64_t n, uint8_t* out) {
+  using P = Pack<W>;
+  const int64_t units = K / 32, g = n / 8, r = n % 8;
+  for (int64_t b = 0; b < units; ++b) {
+    const uint8_t* o = packed + (g * units + b) * P::BYTES;
+    uint8_t values[32];
+    for (int k = 0; k < 32; ++k) {
+      if constexpr (W::BITS == 8) {
+        values[k] = o[P::q_byte(k, r)];
+      } else {
+        values[k] = (uint8_t)((o[P::q_byte(k, r)] >> P::q_shift(k)) & 15);
+        if constexpr (W::BITS == 5) values[k] |= (uint8_t)(((o[P::h_byte(k, r)] >> (k / 4)) & 1) << 4);
+      }
+    }
+    uint8_t* blk = out + b * W::BYTES;
+    std::memset(blk, 0, W::BYTES);
+    W::rebuild(blk, o + 2 * r, o + P::M_AT + 2 * r, values);
+  }
+}
+
+template <class W>
+void kunpack_row(const uint8_t* packed, int64_t K, int64_t n, uint8_t* out) {
+  using P = KLayout<W>;
+  const int64_t supers = K / 256, g = n / 8, r = n % 8;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* o = packed + (g * supers + sb) * P::BYTES;
+    uint8_t values[256];
+    int scales[16], mins[16] = {0};
+    for (int b = 0; b < P::NB; ++b) {
+      for (int h = 0; h < 2; ++h) {
+        scales[2 * b + h] = o[P::SC_AT + 16 * b + 2 * r + h];
+        if constexpr (P::MIN) mins[2 * b + h] = o[P::MN_AT + 16 * b + 2 * r + h];
+      }
+      const uint8_t* v = o + P::BLK_AT + b * P::BLOCK;
+      for (int t = 0; t < P::S; ++t)
+        for (int j = 0; j < 4; ++j) {
+          int value = (v[P::low_byte(t, r, j)] >> P::low_shift(t)) & 15;
+          if constexpr (P::VB > 4) value |= ((v[P::high_byte(t, r, j)] >> P::high_shift(t)) & P::HIGH_MASK) << 4;
+          values[P::value_at(b, t, j)] = (uint8_t)value;
+        }
+    }
+    uint8_t* blk = out + sb * W::BYTES;
+    std::memset(blk, 0, W::BYTES);
+    W::rebuild(blk, values, scales, mins, o + 2 * r, o + 16 + 2 * r);
+  }
+}
+
+// Rows of W expanded from its packed copy: each row's blocks rebuilt, then expanded as from the file.
+template <class W>
+void expand_packed_rows(const uint8_t* packed, int64_t K, const int64_t* rows, int64_t count, float* out) {
+  std::vector<uint8_t> row(K / (32 * W::UNITS) * W::BYTES);
+  const W one = matrix<W>(row.data(), K);
+  const int64_t first = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    if constexpr (W::SUPER) kunpack_row<W>(packed, K, rows[i], row.data());
+    else unpack_row<W>(packed, K, rows[i], row.data());
+    expand_rows(one, &first, 1, out + i * K);
+  }
+}
+
+}  // namespace
