@@ -116,9 +116,10 @@ def write(out: str, params: str, file_type: str, seed: int = 0, arch: str = "lla
     GGUF whose tokenizer to copy instead of the embedded model's (llama.cpp's
     ``models/ggml-vocab-*.gguf`` carry real families' vocabularies); ``chat_template``: a Jinja
     file to store as the tokenizer's chat template."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
     from parrot.engine.source import resolve_source
+    from parrot.gguf_file import GGUFFile
 
     hidden, intermediate, layers, heads, kv_heads = SHAPES[params]
     main_type, more_type = MIXES[file_type]
@@ -126,8 +127,8 @@ def write(out: str, params: str, file_type: str, seed: int = 0, arch: str = "lla
     if vocab_file is None:
         source = resolve_source("embedded")
         vocab_file = os.path.join(source.path, source.gguf_file or "")
-    tokenizer = GGUFReader(vocab_file)
-    vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
+    tokenizer = GGUFFile(vocab_file)
+    vocab = len(tokenizer.get("tokenizer.ggml.tokens"))
     rng = np.random.default_rng(seed)
 
     if arch not in ARCHS or (rope_freqs and arch != "llama"):
@@ -146,11 +147,10 @@ def write(out: str, params: str, file_type: str, seed: int = 0, arch: str = "lla
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     writer.add_file_type(FILE_TYPES[file_type])
-    for key, field in tokenizer.fields.items():  # the tokenizer, as it is
+    for key in tokenizer.keys():  # the tokenizer, as it is
         if key.startswith("tokenizer.") and not (chat_template and key == "tokenizer.chat_template"):
-            vtype = GGUFValueType(field.types[0])
-            sub = GGUFValueType(field.types[1]) if vtype == GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), vtype, sub)
+            value, vtype, sub = tokenizer.typed(key)
+            writer.add_key_value(key, value, GGUFValueType(vtype), None if sub is None else GGUFValueType(sub))
     if chat_template:
         with open(chat_template, encoding="utf-8") as f:
             writer.add_chat_template(f.read())

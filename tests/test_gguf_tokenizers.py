@@ -19,10 +19,10 @@ from parrot.tokenizer.loader import UnsupportedTokenizerError, load_tokenizer
 
 @lru_cache(maxsize=1)
 def embedded_reader():
-    from gguf import GGUFReader
+    from parrot.gguf_file import GGUFFile
 
     source = resolve_source("embedded")
-    return GGUFReader(os.path.join(source.path, source.gguf_file or ""))
+    return GGUFFile(os.path.join(source.path, source.gguf_file or ""))
 
 
 def tokenizer_only_gguf(directory: str, pre: str) -> str:
@@ -31,11 +31,10 @@ def tokenizer_only_gguf(directory: str, pre: str) -> str:
     reader = embedded_reader()
     path = os.path.join(directory, f"tokenizer-{pre}.gguf")
     writer = GGUFWriter(path, "llama")
-    for key, field in reader.fields.items():
+    for key in reader.keys():
         if key.startswith("tokenizer.") and key != "tokenizer.ggml.pre":
-            vtype = GGUFValueType(field.types[0])
-            sub = GGUFValueType(field.types[1]) if vtype == GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), vtype, sub)
+            value, vtype, sub = reader.typed(key)
+            writer.add_key_value(key, value, GGUFValueType(vtype), None if sub is None else GGUFValueType(sub))
     writer.add_key_value("tokenizer.ggml.pre", pre, GGUFValueType.STRING)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -20,10 +20,11 @@ PACKAGES = ("parrot", "loadtests")
 LAYERS = {
     "parrot": set(),  # the package's __init__: environment set-up only
     "parrot.drafting": set(),  # pure Python over token ids
-    "parrot.tokenizer": set(),
+    "parrot.gguf_file": set(),  # the one GGUF reader: header, metadata, tensors
+    "parrot.tokenizer": {"parrot.gguf_file"},
     "parrot.constrain": {"parrot.tokenizer"},
     "parrot.config": {"parrot.drafting"},  # validates drafter names against the registry
-    "parrot.engine": {"parrot.config", "parrot.drafting", "parrot.tokenizer", "parrot.constrain"},
+    "parrot.engine": {"parrot.config", "parrot.drafting", "parrot.tokenizer", "parrot.constrain", "parrot.gguf_file"},
     "parrot.server": {"parrot.config", "parrot.engine", "parrot.drafting", "parrot.tokenizer", "parrot.constrain"},
     "parrot.cli": {"parrot.config", "parrot.engine", "parrot.server"},
 }

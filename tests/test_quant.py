@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from parrot.engine.kernels import available_isas, kernels
-from parrot.engine.quant import FORMATS, BlockWeight, _unpermute_rows, ggml_type
+from parrot.engine.quant import FORMATS, BlockWeight, _unpermute_rows
+from parrot.gguf_file import GGML_TYPES
 
 
 def _random_q4_1(n: int, k: int, seed: int = 0) -> BlockWeight:
@@ -64,30 +65,28 @@ def test_unpermuted_rows_match_transformers_reverse_permute():
     assert torch.equal(w[_unpermute_rows(rows, n_head)], expected)
 
 
-def test_format_table_agrees_with_the_gguf_package():
-    """The GGUF reader names and sizes the types Parrot runs from its own table (importing the
-    gguf package costs 1.4 MB resident); every row must be the package's, and other ids still
-    resolve through the package."""
+def test_format_table_agrees_with_the_gguf_reader_and_the_gguf_package():
+    """The GGUF reader sizes every GGML type from its own table (importing the gguf package costs
+    1.4 MB resident), and the kernels' formats name theirs: every row must be the package's."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     for f in FORMATS.values():
         kind = GGMLQuantizationType(f.ggml_type)
         assert (kind.name.lower(), *GGML_QUANT_SIZES[kind]) == (f.name, f.block_weights, f.block_bytes)
-        assert ggml_type(f.ggml_type) == (kind.name, f.block_weights, f.block_bytes)
-    assert ggml_type(GGMLQuantizationType.Q3_K.value) == ("Q3_K", *GGML_QUANT_SIZES[GGMLQuantizationType.Q3_K])
-    with pytest.raises(ValueError):
-        ggml_type(9999)
+        assert GGML_TYPES[f.ggml_type] == (kind.name, f.block_weights, f.block_bytes)
+    package = {kind.value: (kind.name, *GGML_QUANT_SIZES[kind]) for kind in GGMLQuantizationType if kind in GGML_QUANT_SIZES}
+    both = GGML_TYPES.keys() & package.keys()
+    assert len(both) >= 30 and all(GGML_TYPES[i] == package[i] for i in both)
 
 
 def test_float_matrices_are_read_only_with_rows_of_whole_units_of_32():
     # A float format's GGUF block is one weight, but the kernels read rows 32 weights at a time:
     # a matrix with rows of 40 is left to float32 (it would otherwise lose its last 8 columns).
-    from types import SimpleNamespace
-
     from parrot.engine.quant import _from_gguf_tensor
+    from parrot.gguf_file import GGUFTensor
 
-    def tensor(k: int) -> SimpleNamespace:
-        return SimpleNamespace(tensor_type=SimpleNamespace(name="F16"), data=np.ones((4, k), dtype=np.float16))
+    def tensor(k: int) -> GGUFTensor:  # as the reader gives it: the rows' bytes
+        return GGUFTensor("blk.0.ffn_up.weight", "F16", (4, k), np.ones((4, k), dtype=np.float16).view(np.uint8))
 
     assert _from_gguf_tensor(tensor(40)) is None
     weight = _from_gguf_tensor(tensor(64))

@@ -79,11 +79,13 @@ def gguf_load_bytes(gguf_path: str, float32: bool) -> tuple[int, str]:
     """Bytes loading this GGUF takes at its peak, and how they were counted: its blocks
     (memory-mapped), and with ``float32`` its weights in float32 (the transformers path builds
     them once). Reads the header only."""
-    from parrot.engine.quant import gguf_tensors
     from parrot.engine.source import ModelNotFoundError
+    from parrot.gguf_file import GGUFFile
 
     try:
-        weights = sum(t.n_elements for t in gguf_tensors(gguf_path))
+        gguf = GGUFFile(gguf_path)
+        gguf.release_header()
+        weights = sum(t.n_elements for t in gguf.tensors)
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"cannot read {gguf_path}: {exc}") from exc
     how = "in float32 while loading, beside the file's blocks" if float32 else "in the file's blocks"

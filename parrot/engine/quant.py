@@ -18,16 +18,15 @@ of their additions (about 1e-6 relative), like any two BLAS libraries.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from parrot.gguf_file import GGUFFile, GGUFTensor, drop_pages
 
 log = logging.getLogger("parrot.engine")
 
@@ -124,18 +123,6 @@ class BlockWeight:
         return BlockWeight(kind, torch.cat(fields, dim=-1).reshape(n, -1).contiguous())
 
 
-def drop_pages(start: int, end: int) -> None:
-    """Hand back the pages of a read-only file mapping wholly inside [start, end) (madvise
-    MADV_DONTNEED): they leave the process's resident memory and are read from the file again if
-    touched. Pages shared with bytes outside the range stay."""
-    if not hasattr(os, "sysconf"):
-        return
-    page = os.sysconf("SC_PAGE_SIZE")
-    first, last = -(-start // page) * page, end // page * page
-    if last > first:
-        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4)  # MADV_DONTNEED
-
-
 def release_file_pages(blocks: dict[str, BlockWeight]) -> None:
     """Hand back every page of the file's tensor data once the mapped blocks are packed (or are
     read no more): :meth:`BlockWeight.release_blocks` keeps the pages a tensor shares with its
@@ -146,22 +133,14 @@ def release_file_pages(blocks: dict[str, BlockWeight]) -> None:
         drop_pages(min(d.data_ptr() for d in mapped), max(d.data_ptr() + d.numel() for d in mapped))
 
 
-@lru_cache(maxsize=1)
-def _libc() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
-
-
-def _from_gguf_tensor(tensor: Any) -> BlockWeight | None:
+def _from_gguf_tensor(tensor: GGUFTensor) -> BlockWeight | None:
     """The blocks of a GGUF tensor of a type and shape the kernels run (None for others)."""
-    kind = GGUF_KINDS.get(tensor.tensor_type.name)
-    if kind is None:
+    kind = GGUF_KINDS.get(tensor.type)
+    if kind is None or len(tensor.shape) != 2:
         return None
-    data = np.ascontiguousarray(np.asarray(tensor.data))
     with warnings.catch_warnings():  # a read-only memory map: the kernels only read it
         warnings.simplefilter("ignore", UserWarning)
-        weight = BlockWeight(kind, torch.from_numpy(data.view(np.uint8).reshape(data.shape[0], -1)))
+        weight = BlockWeight(kind, torch.from_numpy(np.ascontiguousarray(tensor.data)))
     return weight if weight.shape[1] % 32 == 0 else None  # the kernels read rows in units of 32 weights
 
 
@@ -181,13 +160,10 @@ def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 def read_gguf_blocks(gguf_path: str, hf_model: Any) -> dict[str, BlockWeight]:
     """Block weights of a Llama GGUF under transformers' parameter names, verified bit for bit
     against ``hf_model``'s float32 weights (a matrix that does not match is left out)."""
-    from gguf import GGUFReader
-
     config = hf_model.config
     params = dict(hf_model.named_parameters(remove_duplicate=False))  # tied lm_head too
-    reader = GGUFReader(gguf_path)
     blocks: dict[str, BlockWeight] = {}
-    for tensor in reader.tensors:
+    for tensor in GGUFFile(gguf_path).tensors:
         weight = _from_gguf_tensor(tensor)
         if weight is None:
             continue
@@ -243,109 +219,6 @@ _GGUF_SMALL = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
 _GGUF_BIASES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj"}
 
 
-_BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}
-
-
-def ggml_type(type_id: int) -> tuple[str, int, int]:
-    """A GGML type's name, weights per block and bytes per block (ValueError for an unknown id).
-    The formats Parrot runs come from FORMATS; other types from the gguf package's table, which
-    is not imported otherwise (it costs 1.4 MB resident; tests/test_quant.py checks FORMATS
-    against it)."""
-    known = _BY_GGML_TYPE.get(type_id)
-    if known is not None:
-        return known.name.upper(), known.block_weights, known.block_bytes
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    kind = GGMLQuantizationType(type_id)
-    return (kind.name, *GGML_QUANT_SIZES[kind])
-
-
-@dataclass
-class GGUFTensor:
-    """One tensor of a GGUF file: its GGML type's name, shape (rows first: [N, K] for a matrix)
-    and bytes."""
-
-    name: str
-    type: str  # "Q4_K", "F32", ...: gguf.GGMLQuantizationType's names
-    shape: tuple[int, ...]
-    data: np.ndarray  # uint8 view of the memory-mapped file
-
-    @property
-    def n_elements(self) -> int:
-        return int(np.prod(self.shape))
-
-
-def gguf_tensors(gguf_path: str) -> list[GGUFTensor]:
-    """The tensors of a GGUF file as views of its memory map, reading nothing but the header:
-    the metadata is skipped, not parsed (the gguf package's reader builds an array per
-    vocabulary entry: 3.4 s and ~150 MB for the embedded model's 49,152 tokens)."""
-    import struct
-
-    data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
-    buf = memoryview(data)  # type: ignore[arg-type]
-    if bytes(buf[:4]) != b"GGUF":
-        raise ValueError(f"{gguf_path} is not a GGUF file")
-    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-    if version < 2:
-        raise ValueError(f"{gguf_path}: GGUF version {version} is not supported")
-    pos = 24
-    fixed = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type: bytes
-
-    def string() -> str:
-        nonlocal pos
-        (length,) = struct.unpack_from("<Q", buf, pos)
-        pos += 8 + length
-        return bytes(buf[pos - length : pos]).decode("utf-8", errors="replace")
-
-    def skip(kind: int) -> Any:
-        nonlocal pos
-        if kind in fixed:
-            value = struct.unpack_from({1: "<B", 2: "<H", 4: "<I", 8: "<Q"}[fixed[kind]], buf, pos)[0]
-            pos += fixed[kind]
-            return value
-        if kind == 8:
-            return string()
-        if kind == 9:
-            item, count = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            if item in fixed:
-                pos += fixed[item] * count
-            else:
-                for _ in range(count):
-                    skip(item)
-            return None
-        raise ValueError(f"{gguf_path}: unknown metadata type {kind}")
-
-    alignment = 32
-    for _ in range(n_kv):
-        key = string()
-        (kind,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        value = skip(kind)
-        if key == "general.alignment" and isinstance(value, int):
-            alignment = value
-    infos = []
-    for _ in range(n_tensors):
-        name = string()
-        (n_dims,) = struct.unpack_from("<I", buf, pos)
-        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-        kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
-        pos += 4 + 8 * n_dims + 12
-        infos.append((name, kind, tuple(int(d) for d in reversed(dims)), offset))
-    start = (pos + alignment - 1) // alignment * alignment
-    # The header was read once: its pages (the vocabulary's strings, about 2 MB of the embedded
-    # model's) need not stay resident.
-    drop_pages(data.ctypes.data, data.ctypes.data + start)
-    tensors = []
-    for name, type_id, shape, offset in infos:
-        kind, block, size = ggml_type(type_id)
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        nbytes = rows * shape[-1] // block * size
-        view = data[start + offset : start + offset + nbytes]
-        tensors.append(GGUFTensor(name, kind, shape, np.asarray(view).reshape(rows, -1) if len(shape) > 1 else np.asarray(view)))
-    return tensors
-
-
 def read_gguf_native(gguf_path: str, config: Any) -> tuple[dict[str, BlockWeight], dict[str, torch.Tensor]]:
     """A Llama-architecture GGUF read for the compiled kernels without any float32 copy of its
     matrices: (block matrices under transformers' names, views of the memory-mapped file except
@@ -353,7 +226,9 @@ def read_gguf_native(gguf_path: str, config: Any) -> tuple[dict[str, BlockWeight
     float32 tensors, and the RoPE factors under ``ROPE_FACTORS`` if the file has them). Raises ValueError for a matrix in a format the kernels do not run."""
     blocks: dict[str, BlockWeight] = {}
     small: dict[str, torch.Tensor] = {}
-    for tensor in gguf_tensors(gguf_path):
+    gguf = GGUFFile(gguf_path)
+    gguf.release_header()  # read once: the vocabulary's strings need not stay resident
+    for tensor in gguf.tensors:
         parts = tensor.name.split(".")
         if tensor.name == "token_embd.weight":
             name = "model.embed_tokens.weight"
@@ -400,10 +275,8 @@ def gguf_rope_factors(gguf_path: str) -> torch.Tensor | None:
     """The file's ``rope_freqs.weight``, or None. Llama 3.1 and later scale RoPE ("llama3" in
     transformers' configs); llama.cpp's converter writes that scaling as one factor per
     frequency, which the frequency is divided by, and no metadata that transformers reads back."""
-    for tensor in gguf_tensors(gguf_path):
-        if tensor.name == "rope_freqs.weight":
-            return _floats(tensor)
-    return None
+    tensor = GGUFFile(gguf_path).tensor(ROPE_FACTORS)
+    return None if tensor is None else _floats(tensor)
 
 
 def apply_rope_factors(rotary: Any, factors: torch.Tensor) -> None:

@@ -28,6 +28,8 @@ from typing import Any, Callable
 from tokenizers import Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
+from parrot.gguf_file import GGUFFile
+
 # llama.cpp's token types (gguf's TokenType)
 CONTROL, USER_DEFINED = 3, 4
 
@@ -154,28 +156,14 @@ class GGUFVocabulary:
 
     @classmethod
     def read(cls, gguf_path: str) -> GGUFVocabulary:
-        from gguf import GGUFReader
-
-        fields = GGUFReader(gguf_path).fields
-
-        def text(key: str) -> str | None:
-            field = fields.get(key)
-            return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
-
-        def array(key: str) -> list[Any]:
-            field = fields.get(key)
-            return [] if field is None else [field.parts[i] for i in field.data]
-
-        def flag(key: str) -> bool | None:
-            field = fields.get(key)
-            return None if field is None else bool(field.parts[field.data[0]][0])
-
-        space = flag("tokenizer.ggml.add_space_prefix")
+        gguf = GGUFFile(gguf_path)
+        space = gguf.get("tokenizer.ggml.add_space_prefix")
+        add_bos = gguf.get("tokenizer.ggml.add_bos_token")
         return cls(
-            model=text("tokenizer.ggml.model"), pre=text("tokenizer.ggml.pre"),
-            add_space_prefix=True if space is None else space, add_bos=flag("tokenizer.ggml.add_bos_token"),
-            tokens=[bytes(part).decode("utf-8", errors="replace") for part in array("tokenizer.ggml.tokens")],
-            types=[int(part[0]) for part in array("tokenizer.ggml.token_type")],
+            model=gguf.get("tokenizer.ggml.model"), pre=gguf.get("tokenizer.ggml.pre"),
+            add_space_prefix=True if space is None else bool(space), add_bos=None if add_bos is None else bool(add_bos),
+            tokens=list(gguf.get("tokenizer.ggml.tokens", [])),
+            types=[int(t) for t in gguf.get("tokenizer.ggml.token_type", [])],
         )
 
 
