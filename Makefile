@@ -31,23 +31,23 @@ serve: install
 test: install
 	$(PY) -m pytest -q
 
-# Schemathesis over the OpenAPI schema of a server with bounded generation (README, "Fault handling");
+# Schemathesis over the OpenAPI schema of a server with bounded generation (docs/ARCHITECTURE.md, "What the tests check");
 # make fuzz FUZZ_ARGS="--url http://127.0.0.1:8000 --max-examples 50" to fuzz a running server.
 FUZZ_ARGS ?=
 fuzz: install
 	$(PY) -m loadtests.fuzz $(FUZZ_ARGS)
 
-# The soak (README, "Fault handling"): 1,000 mixed requests at 8-way concurrency against parrot serve on
+# The soak (docs/ARCHITECTURE.md, "What the tests check"): 1,000 mixed requests at 8-way concurrency against parrot serve on
 # the embedded model, outcomes counted, outputs compared with their sequential ones, server RSS;
 # make soak SOAK_ARGS="--requests 200" for a short one, "--url http://127.0.0.1:8000" for a running server.
 SOAK_ARGS ?=
 soak: install
 	$(PY) -m loadtests.soak $(SOAK_ARGS)
 
-# Parrot on Ray Serve with 1 and 2 replicas beside the single-process server (README, "Scaling out on Ray").
+# Parrot on Ray Serve with 1 and 2 replicas beside the single-process server (docs/PERFORMANCE.md, "Ray Serve").
 BENCH_RAY_ARGS ?=
 # Random multi-turn conversations from 8 clients against a prefix cache smaller than they need, each
-# answer checked against a server without the cache (README, "Prefix caching").
+# answer checked against a server without the cache (docs/PREFIX_CACHE.md).
 SOAK_PREFIX_ARGS ?=
 soak-prefix: install
 	$(PY) -m loadtests.soak_prefix $(SOAK_PREFIX_ARGS)
@@ -64,13 +64,13 @@ bench-drafter: install
 bench-grammar: install
 	$(PY) -m loadtests.bench_grammar --sdpa
 
-# Parrot against llama.cpp on the same GGUF (README: "Against llama.cpp" says how to build it):
+# Parrot against llama.cpp on the same GGUF (docs/PERFORMANCE.md, "Against llama.cpp", says how to build it):
 # make bench-peers LLAMA_SERVER=/path/llama-server LLAMA_BENCH=/path/llama-bench [PEERS_ARGS=...]
 bench-peers: install
 	LLAMA_SERVER=$(LLAMA_SERVER) LLAMA_BENCH=$(LLAMA_BENCH) $(PY) -m loadtests.bench_peers $(PEERS_ARGS)
 
-# Multi-turn conversations and an agent loop against llama.cpp, time to first token per turn (README,
-# "Prefix caching"): make bench-multiturn LLAMA_SERVER=/path/llama-server [MULTITURN_ARGS="--model qwen2.5-coder-1.5b"]
+# Multi-turn conversations and an agent loop against llama.cpp, time to first token per turn
+# (docs/PREFIX_CACHE.md): make bench-multiturn LLAMA_SERVER=/path/llama-server [MULTITURN_ARGS="--model qwen2.5-coder-1.5b"]
 MULTITURN_ARGS ?=
 bench-multiturn: install
 	LLAMA_SERVER=$(LLAMA_SERVER) $(PY) -m loadtests.bench_multiturn $(MULTITURN_ARGS)
@@ -90,7 +90,7 @@ replay-sessions: install
 replay-tools: install
 	$(PY) -m loadtests.replay_tools
 
-# The 300 real-world JSON schemas of ../shared/data/schemas.jsonl through the API (README, "Structured output")
+# The 300 real-world JSON schemas of ../shared/data/schemas.jsonl through the API (docs/PERFORMANCE.md, "Real-world schemas")
 survey-schemas: install
 	$(PY) -m loadtests.schemas_survey
 

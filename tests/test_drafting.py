@@ -123,9 +123,10 @@ def test_suffix_draft_reports_the_length_of_its_match():
     assert SuffixDrafter([1, 2, 3, 4], min_n=1, max_n=3).propose(3) == Draft([], 0)  # no draft: no match length
 
 
-@pytest.mark.parametrize("method", ["suffix", "ngram"])
-def test_every_builtin_drafter_keeps_the_drafter_contract(method):
-    """The points of the ``Drafter`` docstring, on random sequences with repetitions and EOS."""
+@pytest.mark.parametrize("method", drafter_methods())
+def test_every_registered_drafter_keeps_the_drafter_contract(method):
+    """The points of the ``Drafter`` docstring, on random sequences with repetitions and EOS, for
+    every drafter the registry has (a new one is checked by being registered)."""
     rng = random.Random(7)
     settings = DrafterSettings(min_n=1, max_n=3, threshold=0.1, stop_token_ids=frozenset({EOS}))
     drafted = ended_at_eos = 0

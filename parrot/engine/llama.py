@@ -2,7 +2,7 @@
 
 Why not call the transformers model: on CPUs a transformers forward spends much of its time
 outside the arithmetic (`DynamicCache` re-concatenates the whole cache every step, and MKL's
-`sgemm` repacks every weight on every call; README, "How decoding works", has the measurements).
+`sgemm` repacks every weight on every call; docs/ARCHITECTURE.md, "The forward pass", has the measurements).
 Here:
 
 - with GGUF blocks for every linear layer (the usual case on CPU), every pass, prompt chunks

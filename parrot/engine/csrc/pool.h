@@ -1,7 +1,7 @@
 // The kernels' own thread pool: workers that spin while a pass runs and sleep between passes.
 //
 // Why not OpenMP: Parrot runs torch with OMP_WAIT_POLICY=PASSIVE (spinning threads starved
-// neighbouring processes on 2-core machines; README, "Choices, measured"), and the kernels share
+// neighbouring processes on 2-core machines; docs/ARCHITECTURE.md, "Choices, measured"), and the kernels share
 // torch's OpenMP runtime. With passive threads every parallel region wakes its threads through
 // the kernel (a futex), and a decoding pass has about five regions per layer: on the embedded
 // model that doubled the cost of a one-token pass. Here a worker spins for SPIN_NS after its
