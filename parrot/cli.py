@@ -93,10 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"parrot: configuration error: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve":
-        from parrot.server.app import serve
         from parrot.engine.loader import preflight
         from parrot.engine.source import ModelNotFoundError, ModelTooLargeError
-
+        from parrot.server.app import serve
         from parrot.server.auth import read_keys
 
         try:  # a missing model or one that cannot fit, or an unreadable key file: said now, not as a traceback

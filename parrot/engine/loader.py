@@ -29,7 +29,7 @@ def preflight(config: ModelConfig) -> None:
     """The checks worth making before a server starts: the model exists, a backend can load it,
     and it would fit."""
     source = resolve_source(config.source)
-    first = backends.candidates(source, config)[0]
+    first = next(backends.candidates(source, config))
     check_fits(source.display_name, first.memory_needed(source, config))
 
 

@@ -13,6 +13,7 @@ plugin module), with no edit elsewhere.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from parrot.config import ModelConfig
@@ -82,16 +83,19 @@ def get_backend(name: str) -> Backend:
                          f"{', '.join(_BACKENDS)}") from None
 
 
-def candidates(source: ModelSource, config: ModelConfig) -> list[Backend]:
-    """The backends to try for ``source``, in order: every registered one that can load it with
-    ``auto``, else the one named. Raises ValueError when none can, with each one's reason."""
+def candidates(source: ModelSource, config: ModelConfig) -> Iterator[Backend]:
+    """The backends to try for ``source``, in order, each asked only when the one before it was
+    not taken: with ``auto`` every registered one that can load it, else the one named. Raises
+    ValueError, with each one's reason, when none can."""
     named = [get_backend(config.backend)] if config.backend != "auto" else list(_BACKENDS.values())
-    reasons = {b.name: b.unsupported(source, config) for b in named}
-    able = [b for b in named if reasons[b.name] is None]
-    if not able:
+    reasons = {}
+    for backend in named:
+        reason = backend.unsupported(source, config)
+        if reason is None:
+            yield backend
+        else:
+            log.debug("backend %s passes %s: %s", backend.name, source.display_name, reason)
+            reasons[backend.name] = reason
+    if len(reasons) == len(named):
         why = "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
         raise ValueError(f"no backend can load {source.display_name} ({why})")
-    for name, reason in reasons.items():
-        if reason is not None:
-            log.debug("backend %s passes %s: %s", name, source.display_name, reason)
-    return able
