@@ -140,3 +140,26 @@ def test_logits_do_not_depend_on_the_batch(files, arch):
     forward.forward([(alone, prefix, 1)])
     rows = [forward.forward([(alone, [token], 1)])[0][0] for token in drafts]
     assert torch.equal(batch, torch.stack(rows))
+
+
+@pytest.mark.parametrize("how, backend, kernels_off, expected", [
+    ("auto: the kernels", "auto", False, "native"),
+    ("native without kernels: transformers' weights under Parrot's forward", "native", True, "native"),
+    ("hf: transformers' forward", "hf", False, "hf"),
+])
+def test_every_way_the_registry_loads_a_gguf_computes_what_transformers_does(files, monkeypatch, how, backend,
+                                                                             kernels_off, expected):
+    from parrot.engine.loader import load_model
+
+    if kernels_off:
+        monkeypatch.setenv("PARROT_KERNELS", "0")
+    path = files["qwen2"]
+    loaded = load_model(ModelConfig(source=path, backend=backend, activations="float32"))
+    assert loaded.backend == expected and loaded.details["summary"]
+    if expected == "native":
+        assert (loaded.forward.native is None) == kernels_off
+    cache = loaded.forward.new_cache(64)
+    ours = loaded.forward.forward([(cache, PROMPT[:50], 50)])[0]
+    reference = _reference_logits(_reference(path), PROMPT[:50])
+    print(f"{how}: relative difference to transformers {_close(ours, reference):.2e}")
+    assert _close(ours, reference) < 1e-5

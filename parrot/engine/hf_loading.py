@@ -34,9 +34,9 @@ log = logging.getLogger("parrot.engine")
 
 # Part of the conversion cache's key: raise it when what a conversion writes changes (2: the
 # tokenizer fixes for SentencePiece prefixes and ignore_merges; 3: special tokens at the file's
-# ids; 4: Llama 3's BOS; 5, 6: BPE merges as strings, from both conversions), so that no stale
-# copy is read.
-CONVERSION_VERSION = 6
+# ids; 4: Llama 3's BOS; 5, 6: BPE merges as strings, from both conversions; 7: SentencePiece
+# user-defined tokens matched whole), so that no stale copy is read.
+CONVERSION_VERSION = 7
 
 
 def _conversion_dir(source: ModelSource) -> str:

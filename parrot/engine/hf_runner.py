@@ -10,10 +10,14 @@ from transformers import DynamicCache
 
 
 class HFCache:
-    """A transformers ``DynamicCache`` and the number of positions it holds."""
+    """A transformers ``DynamicCache`` and the number of positions it holds.
+
+    Every layer keeps every position, sliding-window layers too (the model's attention mask
+    applies the window): transformers' sliding layers drop what falls out of the window, and then
+    cannot be cropped back when a draft is rejected."""
 
     def __init__(self, config: Any, max_positions: int) -> None:
-        self.cache = DynamicCache(config=config)
+        self.cache = DynamicCache()
         self.length = 0
         self.max_positions = max_positions
 

@@ -186,27 +186,41 @@ def fix_gguf_tokenizer(hf: Any, vocabulary: GGUFVocabulary) -> None:
 def _fix_added_tokens(hf: Any, vocabulary: GGUFVocabulary) -> None:
     """Control and user-defined tokens at the ids the file gives them, spelled as the file spells
     them, and no token beyond the file's vocabulary (the model has no row for it: a prompt with
-    the text ``<|endoftext|>`` became id 128,256 on a Llama 3 file). Only what is wrong changes."""
+    the text ``<|endoftext|>`` became id 128,256 on a Llama 3 file). In a SentencePiece vocabulary
+    every user-defined token is matched whole before the pieces are merged, longest first, as
+    SentencePiece and llama.cpp match them: Gemma's runs of 2-31 spaces are user-defined, and 3,000
+    spaces tokenize as runs of 31, where merging stopped at runs of 16. Only what is wrong changes."""
     tokens, types = vocabulary.tokens, vocabulary.types
     size = len(tokens)
-    misplaced = {i: tokens[i] for i, kind in enumerate(types)
-                 if kind in (CONTROL, USER_DEFINED) and hf.convert_tokens_to_ids(tokens[i]) != i}
+    spm = vocabulary.model == "llama"
+
+    def spelling(i: int) -> str:  # SentencePiece spells spaces as ▁; Gemma's files store real spaces
+        return tokens[i].replace(" ", "▁") if spm else tokens[i]
+
+    misplaced = {i: tokens[i] for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED)
+                 and hf.convert_tokens_to_ids(tokens[i]) != i and hf.convert_tokens_to_ids(spelling(i)) != i}
+    unmatched = [i for i, kind in enumerate(types) if spm and kind == USER_DEFINED and i not in misplaced
+                 and i not in hf.added_tokens_decoder]
     beyond = [i for i in hf.added_tokens_decoder if i >= size]
-    if not misplaced and not beyond:
+    if not misplaced and not beyond and not unmatched:
         return
     state = json.loads(hf.backend_tokenizer.to_str())
     vocab = state["model"].get("vocab")
-    if not isinstance(vocab, dict):
+    if misplaced and not isinstance(vocab, dict):
         raise UnsupportedTokenizerError(
             f"the GGUF's special tokens {sorted(misplaced.values())[:3]} do not convert to their ids, "
             "and Parrot can only respell them in a BPE vocabulary")
-    spelled = {tid: text for text, tid in vocab.items()}
-    for tid, text in misplaced.items():
-        vocab.pop(spelled.get(tid, text), None)
-        vocab[text] = tid
+    if misplaced:
+        spelled = {tid: text for text, tid in vocab.items()}
+        for tid, text in misplaced.items():
+            vocab.pop(spelled.get(tid, text), None)
+            vocab[text] = tid
     added = [a for a in state["added_tokens"] if a["id"] < size and a["id"] not in misplaced]
     added += [{"id": tid, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
                "normalized": False, "special": types[tid] == CONTROL} for tid, text in misplaced.items()]
+    # matched in the normalized text, where spaces are already ▁
+    added += [{"id": tid, "content": spelling(tid), "single_word": False, "lstrip": False, "rstrip": False,
+               "normalized": True, "special": False} for tid in unmatched]
     state["added_tokens"] = sorted(added, key=lambda a: a["id"])
     ids = {text: tid for tid, text in misplaced.items()}
     for entry in _post_processor_tokens(state.get("post_processor")):  # BOS added by the template

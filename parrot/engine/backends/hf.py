@@ -34,7 +34,7 @@ class HFBackend:
         return None if source.gguf_path is None else gguf_load_bytes(source.gguf_path, float32=True)
 
     def load(self, source: ModelSource, config: ModelConfig) -> LoadedModel:
-        source, tokenizer, hf_model = load_transformers(source, config)
+        source, tokenizer, hf_model = load_transformers(config, source)
         wrapped = self.wrap(hf_model, tokenizer, source.display_name, {}, config.activations)
         assert wrapped is not None
         return wrapped

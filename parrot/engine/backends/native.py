@@ -25,8 +25,13 @@ from parrot.engine.kernels import kernels as load_kernels
 from parrot.engine.llama import LlamaForward, native_support, weightless_model
 from parrot.engine.memory import gguf_load_bytes
 from parrot.engine.source import ModelSource, choose_device, choose_dtype
+from parrot.gguf_file import GGUFFile
 
 log = logging.getLogger("parrot.engine")
+
+# GGUF architectures (general.architecture) whose transformers model types the native forward
+# runs (llama.SUPPORTED_MODEL_TYPES): llama.cpp writes Mistral's files as "llama".
+NATIVE_GGUF_ARCHITECTURES = ("llama", "qwen2")
 
 
 def _on_kernels(source: ModelSource, config: ModelConfig) -> bool:
@@ -39,8 +44,14 @@ class NativeBackend:
     name = "native"
 
     def unsupported(self, source: ModelSource, config: ModelConfig) -> str | None:
-        if source.gguf_file is not None:
-            return None  # its architecture is read on loading (the conversion gives the config)
+        if source.gguf_path is not None:
+            try:
+                architecture = GGUFFile(source.gguf_path).architecture
+            except (OSError, ValueError) as exc:
+                return f"cannot read the GGUF ({exc})"
+            if architecture not in NATIVE_GGUF_ARCHITECTURES:
+                return f"the native forward does not run the {architecture} architecture"
+            return None  # the rest of the config is read on loading (the conversion gives it)
         try:
             model_config = transformers_config(source)
         except (OSError, ValueError) as exc:
@@ -58,7 +69,7 @@ class NativeBackend:
             loaded = load_onto_kernels(source, config)
             if loaded is not None:
                 return loaded
-        source, tokenizer, hf_model = load_transformers(source, config)
+        source, tokenizer, hf_model = load_transformers(config, source)
         reason = native_support(hf_model)
         if reason is not None:
             raise BackendDeclined(f"the native forward does not run {reason}")
