@@ -90,9 +90,12 @@ replay-sessions: install
 replay-tools: install
 	$(PY) -m loadtests.replay_tools
 
-# The 300 real-world JSON schemas of ../shared/data/schemas.jsonl through the API (docs/PERFORMANCE.md, "Real-world schemas")
+# Real-world JSON schemas through the API (docs/PERFORMANCE.md, "Real-world schemas"): the 300 of
+# ../shared/data/schemas.jsonl, or SURVEY_ARGS="--set packages --strict absent,true" for the 110 Kubernetes
+# and SchemaStore schemas the test dependencies carry
+SURVEY_ARGS ?=
 survey-schemas: install
-	$(PY) -m loadtests.schemas_survey
+	$(PY) -m loadtests.schemas_survey $(SURVEY_ARGS)
 
 bench-tokenizer: install
 	$(PY) -m loadtests.bench_tokenizer

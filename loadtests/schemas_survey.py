@@ -1,10 +1,13 @@
 """Real-world JSON schemas through the API: how many are served, refused, and valid when finished.
 
-    python -m loadtests.schemas_survey [--url URL] [--max-tokens 256] [--repeat-instructor 50]
+    python -m loadtests.schemas_survey [--url URL] [--set shared|packages] [--strict absent,true]
+                                       [--max-tokens 256] [--repeat-instructor 50]
 
-Sends every schema of ../shared/data/schemas.jsonl (300 schemas written outside this project,
-see SCHEMAS.md) as ``response_format`` json_schema to a chat request (greedy, drafting on, a
-short prompt naming the schema: the grammar does the rest), 4 at a time, and reads the answer's
+Sends every schema of a set (``shared``: ../shared/data/schemas.jsonl, 300 schemas written
+outside this project, see SCHEMAS.md; ``packages``: the 110 Kubernetes and SchemaStore schemas of
+loadtests/package_schemas.py) as ``response_format`` json_schema to a chat request, once per
+``strict`` setting asked for (greedy, drafting on, a short prompt naming the schema: the grammar
+does the rest), 4 at a time, and reads the answer's
 ``schema_check`` (what the grammar left out, whether the finished output validated against the
 whole schema). Then repeats the request body that once made a 500 (instructor's JSON_SCHEMA mode:
 ``json_object`` with a ``schema``, the schema quoted in the system prompt) ``--repeat-instructor``
@@ -41,18 +44,22 @@ INSTRUCTOR_BODY = {
 }
 
 
-def ask(url: str, row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+def ask(url: str, row: dict[str, Any], max_tokens: int, strict: str = "absent") -> dict[str, Any]:
     schema = row["schema"]
     about = schema.get("title") or schema.get("description") or row["id"] if isinstance(schema, dict) else row["id"]
+    json_schema: dict[str, Any] = {"name": "answer", "schema": schema}
+    if strict != "absent":
+        json_schema["strict"] = strict == "true"
     body = {"messages": [{"role": "user", "content": f"Write a realistic example JSON document: {str(about)[:200]}"}],
             "max_tokens": max_tokens, "temperature": 0,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+            "response_format": {"type": "json_schema", "json_schema": json_schema}}
     start = time.perf_counter()
     try:
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
     except httpx.HTTPError as exc:
-        return {"id": row["id"], "subset": row["subset"], "status": None, "error": f"{type(exc).__name__}: {exc}"}
-    entry: dict[str, Any] = {"id": row["id"], "subset": row["subset"], "status": r.status_code,
+        return {"id": row["id"], "subset": row["subset"], "strict": strict, "status": None,
+                "error": f"{type(exc).__name__}: {exc}"}
+    entry: dict[str, Any] = {"id": row["id"], "subset": row["subset"], "strict": strict, "status": r.status_code,
                              "seconds": time.perf_counter() - start}
     payload = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
     if r.status_code != 200:
@@ -93,9 +100,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--repeat-instructor", type=int, default=50)
     parser.add_argument("--port", type=int, default=8752)
-    parser.add_argument("--out", default=str(RESULTS / "schemas_survey.json"))
+    parser.add_argument("--set", choices=("shared", "packages"), default="shared")
+    parser.add_argument("--strict", default="absent", help="comma-separated: absent, true, false (default absent)")
+    parser.add_argument("--out")
     args = parser.parse_args(argv)
-    rows = [json.loads(line) for line in SCHEMAS.read_text().splitlines() if line.strip()]
+    if args.set == "shared":
+        rows = [json.loads(line) for line in SCHEMAS.read_text().splitlines() if line.strip()]
+    else:
+        from loadtests.package_schemas import package_schemas
+
+        rows = package_schemas()
+    stricts = [v for v in args.strict.split(",") if v]
+    jobs = [(row, strict) for strict in stricts for row in rows]
+    out = args.out or str(RESULTS / ("schemas_survey.json" if args.set == "shared" else "schemas_survey_packages.json"))
     from loadtests.peers import Server
 
     server = None
@@ -109,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     instructor: collections.Counter[str] = collections.Counter()
     try:
         with ThreadPoolExecutor(args.concurrency) as pool:
-            for entry in pool.map(lambda row: ask(url, row, args.max_tokens), rows):
+            for entry in pool.map(lambda job: ask(url, job[0], args.max_tokens, job[1]), jobs):
                 runs.append(entry)
                 if len(runs) % 25 == 0 or entry["status"] != 200:
-                    print(f"[{len(runs)}/{len(rows)}] {entry['id']}: {entry['status']} "
+                    print(f"[{len(runs)}/{len(jobs)}] {entry['id']} strict={entry['strict']}: {entry['status']} "
                           f"{entry.get('finish', '')} valid={entry.get('valid')} {entry.get('error', '')[:120]}", flush=True)
         for i in range(args.repeat_instructor):
             r = httpx.post(url + "/v1/chat/completions", json=INSTRUCTOR_BODY, timeout=120)
@@ -126,23 +143,45 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.stop()
 
-    subsets = sorted({r["subset"] for r in runs})
+    groups = sorted({(r["subset"], r["strict"]) for r in runs})
     result = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "max_tokens": args.max_tokens,
-              "summary": summarize(runs), "by_subset": {s: summarize([r for r in runs if r["subset"] == s]) for s in subsets},
-              "unenforced_kinds": dict(collections.Counter(w.split(":")[0].split(" (")[0] for r in runs
-                                                           for w in r.get("unenforced", []))),
-              "instructor_repeats": dict(instructor), "runs": runs}
-    with open(args.out, "w") as f:
+              "set": args.set, "strict": stricts, "summary": summarize(runs),
+              "by_subset": {f"{s} (strict {t})": summarize([r for r in runs if (r["subset"], r["strict"]) == (s, t)])
+                            for s, t in groups},
+              "unenforced_kinds": dict(collections.Counter(keyword(w) for r in runs for w in r.get("unenforced", []))),
+              "by_keyword": by_keyword(runs), "instructor_repeats": dict(instructor), "runs": runs}
+    with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(render(result))
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
+
+
+def keyword(unenforced: str) -> str:
+    """The keyword an ``unenforced`` entry names ("uniqueItems at /items: ..." -> "uniqueItems")."""
+    return unenforced.split(":")[0].split(" (")[0].split(" at ")[0]
+
+
+def by_keyword(runs: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """For each keyword the grammar left out: answers that had it, and how their finished outputs
+    checked against the whole schema."""
+    out: dict[str, collections.Counter[str]] = {}
+    for r in runs:
+        for name in {keyword(w) for w in r.get("unenforced", [])}:
+            counts = out.setdefault(name, collections.Counter())
+            counts["served"] += 1
+            if r.get("finish") == "stop":
+                counts["finished_valid" if r["valid"] else "finished_invalid"] += 1
+            else:
+                counts["cut_by_length"] += 1
+    return {name: dict(c) for name, c in sorted(out.items(), key=lambda kv: -kv[1]["served"])}
 
 
 def render(result: dict[str, Any]) -> str:
     cols = ["schemas", "served", "refused_4xx", "server_errors_5xx", "with_unenforced", "finished", "finished_valid",
             "finished_invalid", "length"]
-    lines = [f"# Real-world schemas ({result['date']}, max_tokens {result['max_tokens']}, greedy, drafting on)", "",
+    lines = [f"# Real-world schemas, set {result.get('set', 'shared')} ({result['date']}, max_tokens "
+             f"{result['max_tokens']}, greedy, drafting on)", "",
              "| subset | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
     for name, s in [*result["by_subset"].items(), ("**all**", result["summary"])]:
         lines.append(f"| {name} | " + " | ".join(str(s[c]) for c in cols) + " |")
@@ -153,7 +192,11 @@ def render(result: dict[str, Any]) -> str:
                f"against the whole schema: {s['finished_valid']}/{s['finished']}; invalid ones with an unenforced "
                f"keyword: {s['finished_invalid_with_unenforced']}/{s['finished_invalid']}. Drafts: "
                f"{s['accepted']}/{s['drafted']} accepted, {s['forced']} forced tokens of {s['tokens']}."),
-              f"Unenforced, by kind: {result['unenforced_kinds']}",
+              f"Unenforced, by kind: {result['unenforced_kinds']}", "",
+              "| keyword left to the check | served | finished valid | finished invalid | cut by length |",
+              "|---|---:|---:|---:|---:|",
+              *(f"| {k} | {c.get('served', 0)} | {c.get('finished_valid', 0)} | {c.get('finished_invalid', 0)} | "
+                f"{c.get('cut_by_length', 0)} |" for k, c in result.get("by_keyword", {}).items()), "",
               f"Refused: {[(r['id'], r['error'][:100]) for r in result['runs'] if r['status'] != 200]}",
               f"instructor JSON_SCHEMA body x{repeats}: {result['instructor_repeats']}"]
     return "\n".join(lines)

@@ -159,3 +159,27 @@ def test_every_real_world_schema_is_served_or_refused_with_a_400_never_a_5xx(htt
     served = len(results) - len(refused)
     assert served >= 0.95 * len(rows), refused
     assert sum(bool(b["schema_check"]["unenforced"]) for _, s, b in results if s == 200) >= 30
+
+
+@pytest.mark.parametrize("strict", [True, None])
+def test_kubernetes_and_schemastore_schemas_are_served_strict_or_not(http_server, strict):
+    """A second real-world set the project had not used (loadtests/package_schemas.py: the 84
+    Kubernetes API objects of kubernetes-validate and the 26 SchemaStore schemas check-jsonschema
+    vendors, up to 1.4 MB each) through the API, a few tokens each: 95% served, with
+    ``strict: true`` (what the openai SDK's parse() sends) and without; never a 5xx.
+    ``make survey-schemas SURVEY_ARGS="--set packages --strict absent,true"`` runs them to the end."""
+    from loadtests.package_schemas import package_schemas
+
+    rows = package_schemas()
+    assert len(rows) >= 100, "kubernetes-validate and check-jsonschema are test dependencies"
+
+    def send(row: dict) -> tuple[str, int, dict]:
+        r = _chat(http_server.url, {"response_format": _schema_format(row["schema"], strict), "max_tokens": 4,
+                                    "messages": [{"role": "user", "content": "Answer in JSON."}]})
+        return row["id"], r.status_code, r.json()
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(send, rows))
+    assert {status for _, status, _ in results} <= {200, 400}, [(i, s, b) for i, s, b in results if s not in (200, 400)]
+    refused = [(i, b["error"]["message"][:200]) for i, s, b in results if s == 400]
+    assert len(rows) - len(refused) >= 0.95 * len(rows), refused
