@@ -21,6 +21,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -103,7 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", choices=("shared", "packages"), default="shared")
     parser.add_argument("--strict", default="absent", help="comma-separated: absent, true, false (default absent)")
     parser.add_argument("--out")
+    parser.add_argument("--render", help="print the tables of a results file again (with today's keyword grouping)")
     args = parser.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            saved = json.load(f)
+        saved["by_keyword"] = by_keyword(saved["runs"])
+        saved["unenforced_kinds"] = dict(collections.Counter(k for r in saved["runs"] for w in r.get("unenforced", [])
+                                                             for k in keywords(w)))
+        print(render(saved))
+        return 0
     if args.set == "shared":
         rows = [json.loads(line) for line in SCHEMAS.read_text().splitlines() if line.strip()]
     else:
@@ -148,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
               "set": args.set, "strict": stricts, "summary": summarize(runs),
               "by_subset": {f"{s} (strict {t})": summarize([r for r in runs if (r["subset"], r["strict"]) == (s, t)])
                             for s, t in groups},
-              "unenforced_kinds": dict(collections.Counter(keyword(w) for r in runs for w in r.get("unenforced", []))),
+              "unenforced_kinds": dict(collections.Counter(k for r in runs for w in r.get("unenforced", []) for k in keywords(w))),
               "by_keyword": by_keyword(runs), "instructor_repeats": dict(instructor), "runs": runs}
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
@@ -157,9 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def keyword(unenforced: str) -> str:
-    """The keyword an ``unenforced`` entry names ("uniqueItems at /items: ..." -> "uniqueItems")."""
-    return unenforced.split(":")[0].split(" (")[0].split(" at ")[0]
+def keywords(unenforced: str) -> list[str]:
+    """The keywords an ``unenforced`` entry (llguidance's warning) names: 'Unimplemented keys:
+    ["if", "then"] (3 times)' -> ["if", "then"]; 'Unknown format: byte' -> ["format: byte"];
+    'oneOf not fully supported, ...' -> ["oneOf"]."""
+    text = re.sub(r" \(\d+ times\)$", "", unenforced)
+    if text.startswith("Unimplemented keys:"):
+        return json.loads(text.split(":", 1)[1])
+    if text.startswith("Unknown format:"):
+        return ["format: " + text.split(":", 1)[1].strip()]
+    if text.startswith("min/maxProperties"):
+        return ["minProperties/maxProperties"]
+    return [text.split(" ")[0]]
 
 
 def by_keyword(runs: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -167,7 +186,7 @@ def by_keyword(runs: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     checked against the whole schema."""
     out: dict[str, collections.Counter[str]] = {}
     for r in runs:
-        for name in {keyword(w) for w in r.get("unenforced", [])}:
+        for name in {k for w in r.get("unenforced", []) for k in keywords(w)}:
             counts = out.setdefault(name, collections.Counter())
             counts["served"] += 1
             if r.get("finish") == "stop":
