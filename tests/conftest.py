@@ -122,8 +122,12 @@ class RunningServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                health = httpx.get(self.url + "/health", timeout=2)
+                if health.status_code == 200:
                     return self
+                if health.json().get("status") == "error":  # the model failed to load: say why now
+                    self.stop()
+                    raise RuntimeError(f"server failed to start: {health.json().get('error')}")
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)

@@ -129,3 +129,22 @@ def test_a_backend_that_cannot_load_the_source_says_why(toy_backend, tmp_path):
 
 def test_the_built_in_backends_register_in_the_order_auto_tries_them():
     assert backends.backend_names()[:2] == ["native", "hf"]
+
+
+class BrokenBackend(ToyBackend):
+    name = "broken"
+
+    def load(self, source, config) -> LoadedModel:
+        raise OSError("the counter's weights are unreadable")
+
+
+def test_a_backend_that_fails_to_load_is_reported_by_health(counter_model):
+    backends.register_backend(BrokenBackend())
+    try:
+        config = Config(model=ModelConfig(source=counter_model, backend="broken"), drafting=DraftingConfig(adaptive=False))
+        from parrot.server.app import create_app
+
+        with pytest.raises(RuntimeError, match="failed to start: .*the counter's weights are unreadable"):
+            RunningServer(create_app(config), free_port()).start()
+    finally:
+        backends.unregister_backend("broken")
