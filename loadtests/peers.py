@@ -32,7 +32,7 @@ class Server:
 
     def __init__(self, name: str, command: list[str], port: int, env: dict[str, str] | None = None,
                  log: Path | None = None) -> None:
-        self.name, self.port = name, port
+        self.name, self.port, self.command = name, port, command
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log or RESULTS / f"bench_peers_{name}.log", "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
