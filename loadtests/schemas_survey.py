@@ -109,10 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         with open(args.render) as f:
             saved = json.load(f)
-        saved["by_keyword"] = by_keyword(saved["runs"])
-        saved["unenforced_kinds"] = dict(collections.Counter(k for r in saved["runs"] for w in r.get("unenforced", [])
-                                                             for k in keywords(w)))
-        print(render(saved))
+        print(render({**saved, **keyword_tables(saved["runs"])}))
         return 0
     if args.set == "shared":
         rows = [json.loads(line) for line in SCHEMAS.read_text().splitlines() if line.strip()]
@@ -158,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
               "set": args.set, "strict": stricts, "summary": summarize(runs),
               "by_subset": {f"{s} (strict {t})": summarize([r for r in runs if (r["subset"], r["strict"]) == (s, t)])
                             for s, t in groups},
-              "unenforced_kinds": dict(collections.Counter(k for r in runs for w in r.get("unenforced", []) for k in keywords(w))),
-              "by_keyword": by_keyword(runs), "instructor_repeats": dict(instructor), "runs": runs}
+              **keyword_tables(runs), "instructor_repeats": dict(instructor), "runs": runs}
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(render(result))
@@ -179,6 +175,14 @@ def keywords(unenforced: str) -> list[str]:
     if text.startswith("min/maxProperties"):
         return ["minProperties/maxProperties"]
     return [text.split(" ")[0]]
+
+
+def keyword_tables(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """How often each keyword was left to the check (``unenforced_kinds``, per warning), and the
+    answers that had it (``by_keyword``)."""
+    return {"unenforced_kinds": dict(collections.Counter(k for r in runs for w in r.get("unenforced", [])
+                                                         for k in keywords(w))),
+            "by_keyword": by_keyword(runs)}
 
 
 def by_keyword(runs: list[dict[str, Any]]) -> dict[str, dict[str, int]]:

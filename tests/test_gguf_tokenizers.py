@@ -113,7 +113,7 @@ def test_gemma_whitespace_tokens_are_matched_whole_and_longest_first(tmp_path):
     types = [3, 3, 3, 2] + [6] * 256 + [1, 1, 1, 4, 4]
     path = vocabulary_gguf(str(tmp_path / "gemma.gguf"), "llama", specials + byte_tokens + pieces, types, eos=1,
                            add_space_prefix=False, arch="gemma3")
-    tokenizer = load_tokenizer(str(tmp_path), "gemma.gguf")
+    tokenizer = load_tokenizer(str(tmp_path), os.path.basename(path))
     ids = {token: i for i, token in enumerate(specials + byte_tokens + pieces)}
     assert tokenizer.encode("    x") == [ids["   "], ids["▁x"]]
     assert tokenizer.encode("x  x") == [ids["x"], ids["  "], ids["x"]]

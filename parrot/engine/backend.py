@@ -108,6 +108,11 @@ class Forward(Protocol[Cache]):
         ...
 
 
+def context_window(model_config: Any) -> int:
+    """The positions a model's config says it reads (4,096 where it does not say)."""
+    return int(getattr(model_config, "max_position_embeddings", 0) or 4096)
+
+
 @dataclass
 class LoadedModel:
     """A model ready to serve, as a backend loaded it."""

@@ -16,7 +16,7 @@ class HFCache:
     applies the window): transformers' sliding layers drop what falls out of the window, and then
     cannot be cropped back when a draft is rejected."""
 
-    def __init__(self, config: Any, max_positions: int) -> None:
+    def __init__(self, max_positions: int) -> None:
         self.cache = DynamicCache()
         self.length = 0
         self.max_positions = max_positions
@@ -49,7 +49,7 @@ class HFForward:
         self.kv_layout = None
 
     def new_cache(self, capacity: int) -> HFCache:
-        return HFCache(self.model.config, self.max_positions)
+        return HFCache(self.max_positions)
 
     @torch.inference_mode()
     def forward(self, batch: Sequence[tuple[HFCache, Sequence[int], int]]) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from parrot.config import ModelConfig
-from parrot.engine.backend import LoadedModel
+from parrot.engine.backend import LoadedModel, context_window
 from parrot.engine.backends.registry import register_backend
 from parrot.engine.hf_loading import load_transformers, transformers_config
 from parrot.engine.hf_runner import HFForward
@@ -40,10 +40,9 @@ class HFBackend:
         return wrapped
 
     def wrap(self, hf_model: Any, tokenizer: Any, name: str, blocks: dict[str, Any], activations: str) -> LoadedModel | None:
-        context_window = int(getattr(hf_model.config, "max_position_embeddings", 0) or 4096)
-        return LoadedModel(forward=HFForward(hf_model, context_window), tokenizer=tokenizer, name=name,
-                           device=hf_model.device, dtype=hf_model.dtype, backend=self.name,
-                           context_window=context_window)
+        forward = HFForward(hf_model, context_window(hf_model.config))
+        return LoadedModel(forward=forward, tokenizer=tokenizer, name=name, device=forward.device, dtype=forward.dtype,
+                           backend=self.name, context_window=forward.max_positions)
 
     def describe(self, loaded: LoadedModel) -> dict[str, Any]:
         return {"summary": f"transformers' forward on {loaded.device.type}, SDPA attention"}

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from parrot.config import ModelConfig
-from parrot.engine.backend import LoadedModel
+from parrot.engine.backend import LoadedModel, context_window
 from parrot.engine.backends.registry import BackendDeclined, register_backend
 from parrot.engine.hf_loading import gguf_blocks, gguf_tokenizer_and_config, load_transformers, transformers_config
 from parrot.engine.kernels import kernels as load_kernels
@@ -73,19 +73,15 @@ class NativeBackend:
         reason = native_support(hf_model)
         if reason is not None:
             raise BackendDeclined(f"the native forward does not run {reason}")
-        blocks = gguf_blocks(source, hf_model)
-        wrapped = self.wrap(hf_model, tokenizer, source.display_name, blocks, config.activations)
-        assert wrapped is not None
-        return wrapped
+        forward = LlamaForward(hf_model, context_window(hf_model.config), gguf_blocks(source, hf_model),
+                               activations=config.activations)
+        return _loaded(forward, tokenizer, source.display_name)
 
     def wrap(self, hf_model: Any, tokenizer: Any, name: str, blocks: dict[str, Any], activations: str) -> LoadedModel | None:
         if native_support(hf_model) is not None:
             return None
-        context_window = int(getattr(hf_model.config, "max_position_embeddings", 0) or 4096)
-        forward = LlamaForward(hf_model, context_window, blocks, activations=activations)
-        return LoadedModel(forward=forward, tokenizer=tokenizer, name=name, device=hf_model.device,
-                           dtype=hf_model.dtype, backend=self.name, context_window=context_window,
-                           pass_report=forward.pass_report)
+        return _loaded(LlamaForward(hf_model, context_window(hf_model.config), blocks, activations=activations),
+                       tokenizer, name)
 
     def describe(self, loaded: LoadedModel) -> dict[str, Any]:
         forward = loaded.forward
@@ -136,13 +132,16 @@ def load_onto_kernels(source: ModelSource, config: ModelConfig) -> LoadedModel |
         return None
     if factors is not None:
         apply_rope_factors(skeleton.model.rotary_emb, factors)
-    context_window = int(getattr(model_config, "max_position_embeddings", 0) or 4096)
-    forward = LlamaForward(skeleton, context_window, blocks, activations=config.activations)
+    forward = LlamaForward(skeleton, context_window(model_config), blocks, activations=config.activations)
     if forward.native is None:
         return None
     release_file_pages(blocks)  # every pass reads the packed copies
-    return LoadedModel(forward=forward, tokenizer=tokenizer, name=source.display_name, device=torch.device("cpu"),
-                       dtype=torch.float32, backend=NativeBackend.name, context_window=context_window,
+    return _loaded(forward, tokenizer, source.display_name)
+
+
+def _loaded(forward: LlamaForward, tokenizer: Any, name: str) -> LoadedModel:
+    return LoadedModel(forward=forward, tokenizer=tokenizer, name=name, device=forward.device, dtype=forward.dtype,
+                       backend=NativeBackend.name, context_window=forward.max_positions,
                        pass_report=forward.pass_report)
 
 
