@@ -50,6 +50,12 @@ class UnsupportedTokenizer(ValueError):
 class ByteLevelBPE:
     """Vocabulary, cached piece encoding and pair validity of one byte-level BPE tokenizer."""
 
+    radix = 256  # the tables of parrot.tokenizer.bpe_tables walk bytes
+
+    @staticmethod
+    def buffer(data: bytes = b"") -> bytearray:
+        return bytearray(data)
+
     def __init__(self, backend: Any, cache_size: int = 200_000) -> None:
         """``backend`` is a `tokenizers.Tokenizer` (``hf.backend_tokenizer``)."""
         config = json.loads(backend.to_str())

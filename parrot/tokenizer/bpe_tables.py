@@ -1,7 +1,8 @@
 """Linear-time tables over one long piece: the encoding of every prefix, of every suffix, and of
 any sub-range (the rust-gems ``bpe`` algorithms, in Python).
 
-Pieces are usually a word, and :meth:`ByteLevelBPE.encode_piece` handles them. A piece can also
+The tables walk symbols: bytes for a byte-level vocabulary, code points for a SentencePiece one
+(``bpe.radix`` says which, ``bpe.buffer`` makes the sequence). Pieces are usually a word, and :meth:`ByteLevelBPE.encode_piece` handles them. A piece can also
 be a megabyte long (``'a' * n``, letters with no space, a whitespace run): then re-encoding
 pieces of it over and over would be quadratic. These tables work on the piece's model bytes
 (:meth:`ByteLevelBPE.model_bytes`) and never re-encode more than a bounded window:
@@ -41,7 +42,7 @@ class PrefixEncoder:
     def __init__(self, bpe: ByteLevelBPE) -> None:
         self._bpe = bpe
         self._children, self._token = bpe.suffix_trie()
-        self.data = bytearray()
+        self.data = bpe.buffer()
         self.last: array[int] = array("i", [-1])  # last[i]: last token of the encoding of data[:i]
         self.depth: array[int] = array("i", [0])  # depth[i]: its number of tokens
 
@@ -50,6 +51,7 @@ class PrefixEncoder:
 
     def extend(self, data: bytes) -> None:
         bpe, children, token, token_len = self._bpe, self._children, self._token, self._bpe.token_len
+        radix = bpe.radix
         pairs, vocab = bpe._pairs, bpe.vocab_size
         buf, last, depth = self.data, self.last, self.depth
         for byte in data:
@@ -57,7 +59,7 @@ class PrefixEncoder:
             i = len(buf)
             node, k, candidates = 0, i - 1, []
             while k >= 0:
-                node = children.get(node * 256 + buf[k], -1)
+                node = children.get(node * radix + buf[k], -1)
                 if node < 0:
                     break
                 if token[node] >= 0:
@@ -102,7 +104,7 @@ class SuffixEncoder:
 
     def __init__(self, bpe: ByteLevelBPE, data: bytes) -> None:
         self._bpe = bpe
-        self.data = bytes(data)
+        self.data = data if isinstance(data, bytes) else bpe.buffer(data)
         m = len(self.data)
         self.first = _zeros(m + 1)  # first[i]: first token of the encoding of data[i:]
         self.depth = _zeros(m + 1)  # depth[i]: its number of tokens (depth[m] = 0)
@@ -112,12 +114,12 @@ class SuffixEncoder:
         """Fill the tables down to position ``i``."""
         bpe = self._bpe
         children, token = bpe.prefix_trie()
-        token_len, pairs, vocab = bpe.token_len, bpe._pairs, bpe.vocab_size
+        token_len, pairs, vocab, radix = bpe.token_len, bpe._pairs, bpe.vocab_size, bpe.radix
         data, first, depth, m = self.data, self.first, self.depth, len(self.data)
         for pos in range(self.lowest - 1, i - 1, -1):
             node, k, candidates = 0, pos, []
             while k < m:
-                node = children.get(node * 256 + data[k], -1)
+                node = children.get(node * radix + data[k], -1)
                 if node < 0:
                     break
                 if token[node] >= 0:

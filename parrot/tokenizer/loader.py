@@ -13,6 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from parrot.tokenizer.bpe import UnsupportedTokenizer
 from parrot.tokenizer.budget import TokenBudget
+from parrot.tokenizer.general import GeneralBudget
 from parrot.tokenizer.gguf_vocab import GGUFVocabulary, UnsupportedTokenizerError, check_gguf_tokenizer, fix_gguf_tokenizer
 from parrot.tokenizer.tool_format import tool_messages
 
@@ -112,7 +113,7 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
     @property
-    def budget(self) -> TokenBudget:
+    def budget(self) -> TokenBudget | GeneralBudget:
         """Exact token budgeting over this tokenizer (built on first use, then shared; raises
         :class:`~parrot.tokenizer.bpe.UnsupportedTokenizer` for a tokenizer it does not implement, and
         remembers that: finding out reads the whole vocabulary)."""
@@ -120,9 +121,12 @@ class Tokenizer:
         if cached is None:
             try:
                 cached = self.__dict__["_budget"] = TokenBudget(self)
-            except UnsupportedTokenizer as exc:
-                self.__dict__["_budget"] = exc
-                raise
+            except UnsupportedTokenizer:
+                try:
+                    cached = self.__dict__["_budget"] = GeneralBudget(self)
+                except UnsupportedTokenizer as exc:
+                    self.__dict__["_budget"] = exc
+                    raise
         if isinstance(cached, UnsupportedTokenizer):
             raise cached
         return cached
