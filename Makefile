@@ -8,7 +8,7 @@ PORT   ?= 8000
 # The stamp is rebuilt when the dependency list changes; otherwise `make install` is a no-op.
 STAMP  := $(VENV)/.parrot-installed
 
-.PHONY: install serve test fuzz soak bench bench-ray bench-drafter bench-grammar bench-peers bench-multiturn soak-prefix bench-tokenizer check-vocabs replay-grammar replay-sessions replay-tools survey-schemas clean
+.PHONY: install serve test fuzz soak bench bench-ray bench-drafter bench-grammar bench-peers bench-multiturn soak-prefix bench-tokenizer check-budgeting check-vocabs replay-grammar replay-sessions replay-tools survey-schemas clean
 
 install: $(STAMP)
 
@@ -99,8 +99,14 @@ SURVEY_ARGS ?=
 survey-schemas: install
 	$(PY) -m loadtests.schemas_survey $(SURVEY_ARGS)
 
+# exact budgeting's speed; VOCABS="qwen2.5-coder-1.5b gemma-3-270m ..." adds those vocabularies
 bench-tokenizer: install
-	$(PY) -m loadtests.bench_tokenizer
+	$(PY) -m loadtests.bench_tokenizer $(foreach v,$(VOCABS),--vocab $(v))
+
+# exact budgeting against each vocabulary's own tokenizer on every held-out text (real models are
+# assembled on first use): make check-budgeting VOCABS="qwen2.5-coder-1.5b gemma-3-270m"
+check-budgeting: install
+	$(PY) -m loadtests.check_budgeting $(or $(VOCABS),embedded)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

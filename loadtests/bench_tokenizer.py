@@ -1,13 +1,15 @@
 """Benchmark of the exact token budgeting library against re-encoding with the transformers
 tokenizer, all in one run (ratios, not absolute times, are what carries across machines).
 
-    .venv/bin/python -m loadtests.bench_tokenizer [--quick]
+    .venv/bin/python -m loadtests.bench_tokenizer [--quick] [--vocab qwen2.5-coder-1.5b --vocab gemma-3-270m ...]
 
 Prints a markdown table and writes ``loadtests/results/bench_tokenizer.{json,md}``. Progress goes
 to stderr. Targets (issue 4): interval counting >= 50x faster than re-encoding each slice;
 appending 100 KB one character at a time within 5x of one encode of the whole text;
 ``split_at_tokens(text_1MB, 1000)`` >= 100x faster than encoding the whole text; worst cases
-(``'a' * n``, random letters without spaces) growing linearly from 10 KB to 1 MB.
+(``'a' * n``, random letters without spaces) growing linearly from 10 KB to 1 MB. The full table is
+for the embedded (SmolLM2) vocabulary; ``--vocab`` adds the headline figures for other
+vocabularies, which the general path (``parrot.tokenizer.general``) budgets.
 
 Timed sections run ``REPEATS`` times and report the median (the machine is shared and noisy);
 the first repetition warms the piece cache, as the tokenizers library warms its own word cache.
@@ -28,7 +30,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from parrot.tokenizer import AppendingEncoder, IntervalCounter, TokenBudget, Tokenizer, load_tokenizer
+from parrot.tokenizer import TokenBudget, Tokenizer, load_tokenizer
+from parrot.tokenizer.general import GeneralBudget
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
@@ -70,12 +73,24 @@ def embedded_tokenizer() -> Tokenizer:
     return load_tokenizer(directory, name)
 
 
-def bench_intervals(tok: Tokenizer, budget: TokenBudget, text: str, queries: int, sample: int) -> dict[str, Any]:
+def load_vocabulary(vocab: str) -> Tokenizer:
+    """The tokenizer of ``embedded``, a real model's name (``loadtests.real_models``, assembled on
+    first use) or a GGUF path, loaded as ``parrot serve --model`` loads it."""
+    if vocab == "embedded":
+        return embedded_tokenizer()
+    if not os.path.exists(vocab):
+        from loadtests.real_models import resolve
+
+        vocab = resolve(vocab)
+    return load_tokenizer(os.path.dirname(os.path.abspath(vocab)), os.path.basename(vocab))
+
+
+def bench_intervals(tok: Tokenizer, budget: TokenBudget | GeneralBudget, text: str, queries: int, sample: int) -> dict[str, Any]:
     rng = random.Random(0)
     ranges = [tuple(sorted((rng.randrange(len(text) + 1), rng.randrange(len(text) + 1)))) for _ in range(queries)]
     log(f"intervals: building the counter over {len(text):,} characters")
-    build = timed(lambda: IntervalCounter(budget, text), repeats=3)
-    counter = IntervalCounter(budget, text)
+    build = timed(lambda: budget.interval_counter(text), repeats=3)
+    counter = budget.interval_counter(text)
     log(f"intervals: {queries:,} queries")
     query = timed(lambda: [counter.count(a, b) for a, b in ranges])
     log(f"intervals: re-encoding {sample} of the slices with transformers")
@@ -95,9 +110,9 @@ def bench_intervals(tok: Tokenizer, budget: TokenBudget, text: str, queries: int
     }
 
 
-def bench_appending(tok: Tokenizer, budget: TokenBudget, text: str, sample: int) -> dict[str, Any]:
+def bench_appending(tok: Tokenizer, budget: TokenBudget | GeneralBudget, text: str, sample: int) -> dict[str, Any]:
     def append_all() -> int:
-        encoder = AppendingEncoder(budget)
+        encoder = budget.appending_encoder()
         total = 0
         for ch in text:
             encoder.append(ch)
@@ -106,7 +121,7 @@ def bench_appending(tok: Tokenizer, budget: TokenBudget, text: str, sample: int)
 
     log(f"appending: {len(text):,} characters one at a time")
     appending = timed(append_all)
-    encoder = AppendingEncoder(budget)
+    encoder = budget.appending_encoder()
     encoder.append(text)
     assert encoder.tokens == tok.encode(text)
     one_encode = timed(lambda: tok.encode(text))
@@ -126,7 +141,7 @@ def bench_appending(tok: Tokenizer, budget: TokenBudget, text: str, sample: int)
     }
 
 
-def bench_split(tok: Tokenizer, budget: TokenBudget, text: str, n: int) -> dict[str, Any]:
+def bench_split(tok: Tokenizer, budget: TokenBudget | GeneralBudget, text: str, n: int) -> dict[str, Any]:
     log(f"split_at_tokens: {len(text):,} characters, n={n}")
     prefix = budget.split_at_tokens(text, n)
     assert len(tok.encode(prefix)) <= n < len(tok.encode(text[: len(prefix) + 1]))
@@ -135,7 +150,7 @@ def bench_split(tok: Tokenizer, budget: TokenBudget, text: str, n: int) -> dict[
     return {"n": n, "chars": len(text), "split_s": split, "encode_whole_s": encode, "speedup": encode / split}
 
 
-def bench_worst_case(tok: Tokenizer, budget: TokenBudget, sizes: list[int]) -> list[dict[str, Any]]:
+def bench_worst_case(tok: Tokenizer, budget: TokenBudget | GeneralBudget, sizes: list[int]) -> list[dict[str, Any]]:
     rng = random.Random(1)
     letters = "".join(rng.choice(string.ascii_letters) for _ in range(max(sizes)))
     rows = []
@@ -144,12 +159,12 @@ def bench_worst_case(tok: Tokenizer, budget: TokenBudget, sizes: list[int]) -> l
             text = source[:size]
             repeats = 3 if size <= 100_000 else 1
             log(f"worst case: {kind}, {size:,} characters")
-            counter = IntervalCounter(budget, text)
+            counter = budget.interval_counter(text)
             q = random.Random(2)
             ranges = [tuple(sorted((q.randrange(size + 1), q.randrange(size + 1)))) for _ in range(1000)]
 
             def append_chars() -> None:
-                encoder = AppendingEncoder(budget)
+                encoder = budget.appending_encoder()
                 for ch in text:
                     encoder.append(ch)
 
@@ -162,7 +177,7 @@ def bench_worst_case(tok: Tokenizer, budget: TokenBudget, sizes: list[int]) -> l
                 "split_at_tokens_1000_s": timed(lambda: budget.split_at_tokens(text, 1000), repeats),
                 "truncate_left_1000_s": timed(lambda: budget.truncate(text, 1000, "left"), repeats),
                 "chunk_1000_s": timed(lambda: budget.chunk(text, 1000), repeats),
-                "interval_build_s": timed(lambda: IntervalCounter(budget, text), repeats),
+                "interval_build_s": timed(lambda: budget.interval_counter(text), repeats),
                 "interval_1000_queries_s": timed(lambda: [counter.count(a, b) for a, b in ranges], repeats),
                 "append_per_char_s": timed(append_chars, repeats),
             }
@@ -210,9 +225,42 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bench_vocabularies(vocabs: list[str], quick: bool) -> list[dict[str, Any]]:
+    """The three headline figures for each vocabulary (``loadtests.check_budgeting.load`` names)."""
+    rows = []
+    text = real_text(100_000 if quick else 1_000_000)
+    for vocab in vocabs:
+        log(f"{vocab}: loading")
+        tok = load_vocabulary(vocab)
+        budget = tok.budget
+        rows.append({
+            "vocab": os.path.basename(vocab), "budget": type(budget).__name__,
+            "intervals": bench_intervals(tok, budget, text, 1000 if quick else 5000, 10 if quick else 20),
+            "appending": bench_appending(tok, budget, real_text(10_000 if quick else 100_000), 10),
+            "split": bench_split(tok, budget, text, 1000),
+        })
+    return rows
+
+
+def vocabularies_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| vocabulary | budget | interval counts vs re-encoding each range (1 MB text) | append 100 KB char by char "
+        "vs one encode | split_at_tokens(1 MB, 1000) vs encoding it |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        iv, ap, sp = r["intervals"], r["appending"], r["split"]
+        lines.append(
+            f"| {r['vocab']} | {r['budget']} | {iv['queries_s'] / iv['queries'] * 1e6:.0f} us per range, "
+            f"{iv['speedup_queries']:,.0f}x | {ap['ratio_to_one_encode']:.2f}x | {sp['speedup']:,.0f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    parser.add_argument("--vocab", action="append", default=[],
+                        help="also measure this vocabulary (a real model's name, a GGUF path, or 'embedded'); repeatable")
     args = parser.parse_args()
     log("loading the embedded tokenizer")
     tok = embedded_tokenizer()
@@ -228,6 +276,9 @@ def main() -> None:
         "worst_case": bench_worst_case(tok, budget, [10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000]),
     }
     table = markdown(results)
+    if args.vocab:
+        results["vocabularies"] = bench_vocabularies(args.vocab, args.quick)
+        table += "\nPer vocabulary:\n\n" + vocabularies_markdown(results["vocabularies"])
     print(table)
     if not args.quick:
         os.makedirs(RESULTS, exist_ok=True)

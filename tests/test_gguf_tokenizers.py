@@ -181,15 +181,14 @@ def test_special_end_of_turn_tokens_end_generation_beside_eos(tmp_path):
     assert sorted(names) == ["<|endoftext|>", "<|im_end|>"]
 
 
-def test_vocabularies_with_every_byte_lose_no_character_without_the_budget(tmp_path):
-    # /v1/tokenize reports lost characters; for a vocabulary the budget does not implement it
-    # still answers when every byte has a token (SentencePiece byte fallback here; Llama 3's and
-    # Qwen2's byte-level vocabularies likewise), and refuses where it cannot know.
-    from parrot.tokenizer.bpe import UnsupportedTokenizer
+def test_vocabularies_with_every_byte_lose_no_character(tmp_path):
+    # /v1/tokenize reports lost characters: none where every byte has a token (SentencePiece
+    # byte fallback here, on the general budget; Llama 3's and Qwen2's byte-level vocabularies
+    # likewise).
+    from parrot.tokenizer.general import GeneralBudget
 
     spm = load_tokenizer(str(tmp_path), os.path.basename(sentencepiece_gguf(str(tmp_path))))
-    with pytest.raises(UnsupportedTokenizer):
-        spm.budget  # noqa: B018
+    assert isinstance(spm.budget, GeneralBudget)
     assert spm.covers_every_byte and spm.lost_characters("Hello \x04 wörld") == []
     partial = load_tokenizer(str(tmp_path), os.path.basename(byte_level_gguf(str(tmp_path), "llama-bpe")))
     assert partial.covers_every_byte  # all 256 byte characters are in it

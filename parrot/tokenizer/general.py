@@ -41,6 +41,7 @@ from parrot.tokenizer.splitter import NO_SPECIAL, Piece, Splitter
 from parrot.tokenizer.vocabulary import Vocabulary
 
 LONG_PIECE = 4096  # characters: a cut piece longer than this is counted by its interval table
+SEARCH_LONG_PIECE = 256  # the same where one piece is cut at many places (prefix and suffix searches)
 
 
 class GeneralBudget:
@@ -87,7 +88,8 @@ class GeneralBudget:
         return AppendingCounter(self)
 
     def lost_characters(self, text: str) -> list[int]:
-        return []  # every byte has a token (Vocabulary refuses vocabularies where one has none)
+        """Offsets of characters the model does not see as written (bytes without a token)."""
+        return self.vocab.lost_characters(text)
 
     # -- prefixes and suffixes ------------------------------------------------------------------
 
@@ -126,7 +128,7 @@ class GeneralBudget:
         while True:
             stop = min(len(text), start + window)
             complete = stop == len(text)
-            index = Index(self, text[start:stop])
+            index = Index(self, text[start:stop], SEARCH_LONG_PIECE)
             local, prefix, pieces = index.text, index.prefix, index.pieces
             k = bisect_right(prefix, n) - 1  # prefix[k] <= n < prefix[k + 1]: piece k overflows
             if k >= len(pieces):
@@ -159,7 +161,7 @@ class GeneralBudget:
         window = 4 * n + 256
         while True:
             first = max(0, len(text) - window)
-            index = Index(self, text[first:])
+            index = Index(self, text[first:], SEARCH_LONG_PIECE)
             prefix, pieces = index.prefix, index.pieces
             total = prefix[-1]
             if total <= n:
@@ -183,9 +185,12 @@ class Index:
     """``Index(budget, text).count(start, end)`` == ``budget.count(text[start:end])`` (see the
     module docstring)."""
 
-    def __init__(self, budget: GeneralBudget, text: str) -> None:
+    def __init__(self, budget: GeneralBudget, text: str, long_piece: int | None = None) -> None:
+        """``long_piece``: cut pieces of longer ones are counted by tables (the budget's by
+        default; the prefix and suffix searches, which cut one piece many times, lower it)."""
         self.text = text
         self._budget = budget
+        self._long_piece = budget.long_piece if long_piece is None else long_piece
         self._splitter = budget.splitter
         self._vocab = budget.vocab
         self.pieces = self._splitter.pieces(text)
@@ -259,7 +264,7 @@ class Index:
     def _head(self, start: int, end: int) -> tuple[int, int | None]:
         """(tokens before the sync point, index of the text's piece there), or (the range's
         whole count, None) when the range ends before its pieces meet the text's."""
-        window = 64
+        window = 24
         splitter = self._splitter
         while True:
             stop = min(end, start + window)
@@ -293,7 +298,7 @@ class Index:
             whole = self.pieces[i]
             if whole == piece:
                 return self._counts[i]
-            long_piece = self._budget.long_piece
+            long_piece = self._long_piece
             if (whole.special == NO_SPECIAL and piece.end <= whole.end and whole.end - whole.start > long_piece
                     and piece.end - piece.start > long_piece // 4):
                 counted = self._table_count(i, piece)

@@ -24,7 +24,7 @@ import re
 from array import array
 from typing import Any
 
-from parrot.tokenizer.bpe import TokenId, UnsupportedTokenizer, bytes_to_unicode
+from parrot.tokenizer.bpe import TokenId, UnsupportedTokenizer, _lost_characters_re, bytes_to_unicode
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -63,10 +63,12 @@ class Vocabulary:
         self.token_len = [len(b) for b in self.token_bytes]
         self.max_token_len = max(self.token_len)
         self._by_bytes = {b: tid for tid, b in enumerate(self.token_bytes) if b}
+        self.missing_bytes = b""
+        self._lost_re = None
         if self.spelling == "byte-level":
-            missing = [b for b in range(256) if byte_char[b] not in vocab]
-            if missing:
-                raise UnsupportedTokenizer(f"{len(missing)} byte values have no token (exact budgeting needs all 256)")
+            # BPE drops a byte without a token and merges its neighbours (see parrot.tokenizer.bpe).
+            self.missing_bytes = bytes(b for b in range(256) if byte_char[b] not in vocab)
+            self._lost_re = _lost_characters_re(set(self.missing_bytes))
             self._to_model = {b: byte_char[b] for b in range(256)}
         else:
             missing = [b for b in range(256) if f"<0x{b:02X}>" not in vocab]
@@ -92,8 +94,14 @@ class Vocabulary:
     def model_bytes(self, model_text: str) -> Any:
         """The symbols the tables walk for a piece in the model's spelling (bytes, or code points)."""
         if self.spelling == "byte-level":
-            return model_text.encode("latin-1") if model_text.isascii() else bytes(_BYTE_OF[c] for c in model_text)
+            data = model_text.encode("latin-1") if model_text.isascii() else bytes(_BYTE_OF[c] for c in model_text)
+            return data.translate(None, self.missing_bytes) if self.missing_bytes else data
         return array("I", map(ord, model_text))
+
+    def lost_characters(self, text: str) -> list[int]:
+        """Offsets of the characters whose bytes (some or all) have no token (byte-level only;
+        byte fallback loses nothing)."""
+        return [] if self._lost_re is None else [m.start() for m in self._lost_re.finditer(text)]
 
     def buffer(self, data: Any = ()) -> Any:
         return bytearray(data) if self.radix == 256 else array("I", data)
