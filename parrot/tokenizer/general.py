@@ -36,11 +36,12 @@ from bisect import bisect_left, bisect_right
 from typing import Any
 
 from parrot.tokenizer.bpe import TokenId
-from parrot.tokenizer.bpe_tables import PieceIntervals
+from parrot.tokenizer.bpe_tables import PieceIntervals, PrefixEncoder
 from parrot.tokenizer.splitter import NO_SPECIAL, Piece, Splitter
 from parrot.tokenizer.vocabulary import Vocabulary
 
 LONG_PIECE = 4096  # characters: a cut piece longer than this is counted by its interval table
+OPEN_PIECE = 64  # characters: a longer last piece of appended text is counted by a growing prefix table
 SEARCH_LONG_PIECE = 256  # the same where one piece is cut at many places (prefix and suffix searches)
 
 
@@ -330,7 +331,8 @@ class AppendingCounter:
 
     Pieces that no later text can change (before a settled boundary, and before any place an
     added token could still start) are counted once and dropped; the rest, usually the last
-    word or two, is re-split on every append."""
+    word or two (a SentencePiece vocabulary: the current line), is re-split on every append,
+    and a long last piece is counted by a prefix table that grows with it."""
 
     def __init__(self, budget: GeneralBudget) -> None:
         self._splitter = budget.splitter
@@ -340,6 +342,7 @@ class AppendingCounter:
         self._rest_count = 0
         self._segment_start = True
         self._length = 0
+        self._open: tuple[str, PrefixEncoder] | None = None  # the last piece's spelling and prefix table
 
     def __len__(self) -> int:
         return self._length
@@ -376,7 +379,26 @@ class AppendingCounter:
             pieces = [Piece(p.start - cut, p.end - cut, p.model, p.special) for p in pieces[keep:]]
         self._rest = rest
         count_model = self._vocab.count_model
-        self._rest_count = sum(1 if p.special != NO_SPECIAL else count_model(p.model) for p in pieces)
+        *others, last = pieces if pieces else [Piece(0, 0, "", NO_SPECIAL)]
+        self._rest_count = sum(1 if p.special != NO_SPECIAL else count_model(p.model) for p in others)
+        self._rest_count += self._count_last(last)
+
+    def _count_last(self, last: Piece) -> int:
+        """Tokens of the last piece: a long one (a line of a SentencePiece text, a run) grows as
+        text is appended, so its prefix table is extended instead of encoding it again."""
+        if last.special != NO_SPECIAL:
+            self._open = None
+            return 1
+        if len(last.model) <= OPEN_PIECE:
+            self._open = None
+            return self._vocab.count_model(last.model)
+        vocab = self._vocab
+        if self._open is None or not last.model.startswith(self._open[0]):
+            self._open = ("", PrefixEncoder(vocab))  # type: ignore[arg-type]
+        grown, encoder = self._open
+        encoder.extend(vocab.model_bytes(last.model[len(grown):]))
+        self._open = (last.model, encoder)
+        return encoder.count()
 
     def _ids(self, piece: Piece) -> list[TokenId]:
         return [piece.special] if piece.special != NO_SPECIAL else self._vocab.encode_model(piece.model)
