@@ -130,12 +130,14 @@ def gemma_vocabulary(size: int = 512) -> tuple[list[str], list[int]]:
 
 
 def write(out: str, params: str, file_type: str, seed: int = 0, arch: str = "llama", rope_freqs: bool = False,
-          vocab_file: str | None = None, chat_template: str | None = None) -> None:
+          vocab_file: str | None = None, chat_template: str | None = None, rope_linear: float | None = None) -> None:
     """``arch`` "qwen2": Qwen2's architecture (q, k and v biases, rows in the checkpoint's order);
     "gemma3": Gemma 3's text model (GEMMA3_SHAPES; norms before and after attention and the MLP,
     q and k norms, their weights stored as 1 + w as llama.cpp's converter does, random about 1;
     sliding-window layers; a made-up Gemma-like vocabulary unless ``vocab_file``);
-    ``rope_freqs``: Llama 3's rope scaling as llama.cpp writes it (llama only); ``vocab_file``: a
+    ``rope_freqs``: Llama 3's rope scaling as llama.cpp writes it (llama only); ``rope_linear``:
+    a linear RoPE scaling factor in the metadata, as llama.cpp writes Gemma 3 4B's (8, on its
+    global layers; gemma3 only); ``vocab_file``: a
     GGUF whose tokenizer to copy instead of the embedded model's (llama.cpp's
     ``models/ggml-vocab-*.gguf`` carry real families' vocabularies); ``chat_template``: a Jinja
     file to store as the tokenizer's chat template."""
@@ -144,8 +146,8 @@ def write(out: str, params: str, file_type: str, seed: int = 0, arch: str = "lla
     from parrot.engine.source import resolve_source
     from parrot.gguf_file import GGUFFile
 
-    if arch not in ARCHS or (rope_freqs and arch != "llama"):
-        raise ValueError(f"arch must be one of {ARCHS}, rope_freqs only with llama")
+    if arch not in ARCHS or (rope_freqs and arch != "llama") or (rope_linear and arch != "gemma3"):
+        raise ValueError(f"arch must be one of {ARCHS}, rope_freqs only with llama, rope_linear only with gemma3")
     gemma = arch == "gemma3"
     window = 0
     if gemma:
@@ -180,6 +182,11 @@ def write(out: str, params: str, file_type: str, seed: int = 0, arch: str = "lla
         writer.add_value_length(head_dim)
         writer.add_sliding_window(window)
         writer.add_layer_norm_rms_eps(1e-6)
+        if rope_linear:
+            from gguf import RopeScalingType
+
+            writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope_linear)
     else:
         writer.add_rope_dimension_count(head_dim)
         writer.add_layer_norm_rms_eps(1e-5)
@@ -257,13 +264,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="qwen2: Qwen2's architecture (QKV biases); gemma3: Gemma 3's text model")
     parser.add_argument("--rope-freqs", action="store_true",
                         help="Llama 3's rope scaling, as rope_freqs.weight (Llama 3.1 and later GGUFs carry it)")
+    parser.add_argument("--rope-linear", type=float, metavar="FACTOR",
+                        help="gemma3: linear RoPE scaling of the global layers (Gemma 3 4B and larger: 8)")
     parser.add_argument("--vocab", metavar="GGUF",
                         help="copy this GGUF's tokenizer instead of the embedded model's "
                              "(e.g. llama.cpp's models/ggml-vocab-llama-bpe.gguf: Llama 3's)")
     parser.add_argument("--chat-template", metavar="JINJA", help="store this file as the chat template")
     args = parser.parse_args(argv)
     begin = time.perf_counter()
-    write(args.out, args.params, args.type, args.seed, args.arch, args.rope_freqs, args.vocab, args.chat_template)
+    write(args.out, args.params, args.type, args.seed, args.arch, args.rope_freqs, args.vocab, args.chat_template,
+          args.rope_linear)
     print(f"wrote {args.out}: {os.path.getsize(args.out) / 1e6:.0f} MB in {time.perf_counter() - begin:.0f} s")
     return 0
 

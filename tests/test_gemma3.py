@@ -273,3 +273,47 @@ def test_greedy_output_of_the_gguf_identical_with_and_without_drafting(gguf, act
     without, with_drafts = _greedy_with_and_without_drafting(forward, _tokens(30, seed=4))
     assert with_drafts.token_ids == without.token_ids
     assert with_drafts.stats.accepted_tokens > 20 and with_drafts.stats.drafted_tokens > with_drafts.stats.accepted_tokens
+
+
+@pytest.fixture(scope="module")
+def scaled_gguf(gguf) -> str:
+    """The tiny GGUF with linear RoPE scaling of its global layers in the metadata, as llama.cpp
+    writes Gemma 3 4B's (factor 8), which transformers' GGUF reader does not read."""
+    from loadtests.make_synthetic_gguf import write
+
+    path = os.path.join(os.path.dirname(gguf), "gemma3-tiny-rope8.gguf")
+    write(path, "tiny", "Q8_0", seed=2, arch="gemma3", rope_linear=8.0)
+    return path
+
+
+@pytest.mark.parametrize("backend, kernels_off, expected", [
+    ("auto", False, "native"),  # the kernels
+    ("native", True, "native"),  # Parrot's forward over transformers' weights
+    ("hf", False, "hf"),  # transformers' forward
+])
+def test_every_way_a_gemma3_gguf_loads_scales_rope_as_its_metadata_says(scaled_gguf, monkeypatch, backend,
+                                                                         kernels_off, expected):
+    from transformers import AutoModelForCausalLM
+
+    from parrot.engine.loader import load_model
+
+    if kernels_off:
+        monkeypatch.setenv("PARROT_KERNELS", "0")
+    loaded = load_model(ModelConfig(source=scaled_gguf, backend=backend, activations="float32"))
+    assert loaded.backend == expected
+    if expected == "native":
+        assert (loaded.forward.native is None) == kernels_off
+    tokens = torch.randint(5, 500, (300,), generator=torch.Generator().manual_seed(7)).tolist()
+    ours = loaded.forward.forward([(loaded.forward.new_cache(320), tokens, len(tokens))])[0]
+    reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(scaled_gguf),
+                                                     gguf_file=os.path.basename(scaled_gguf), dtype=torch.float32).eval()
+    unscaled = _reference(reference, tokens)  # what transformers reads from the file alone
+    parameters = reference.config.rope_parameters
+    parameters["full_attention"] = {**parameters["full_attention"], "rope_type": "linear", "factor": 8.0}
+    reference.model.rotary_emb = type(reference.model.rotary_emb)(config=reference.config)
+    expected_logits = _reference(reference, tokens)
+    scale = expected_logits.abs().max()
+    error = float((ours - expected_logits).abs().max() / scale)
+    print(f"{backend}: relative difference {error:.2e}; unscaled RoPE's {float((unscaled - expected_logits).abs().max() / scale):.2e}")
+    assert error < 1e-5
+    assert float((unscaled - expected_logits).abs().max() / scale) > 1e-3

@@ -294,6 +294,35 @@ def gguf_rope_factors(gguf_path: str) -> torch.Tensor | None:
     return None if tensor is None else _floats(tensor)
 
 
+def gguf_rope_scaling(gguf_path: str) -> dict[str, Any] | None:
+    """The RoPE scaling a GGUF's metadata states (``{arch}.rope.scaling.type`` and ``.factor``),
+    as transformers' rope parameters, or None. llama.cpp's converter writes Gemma 3's linear
+    scaling of its global layers (4B and larger: factor 8) this way, and transformers' GGUF reader
+    does not read it back."""
+    gguf = GGUFFile(gguf_path)
+    kind = gguf.get(f"{gguf.architecture}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    return {"rope_type": kind, "factor": float(gguf.get(f"{gguf.architecture}.rope.scaling.factor", 1.0))}
+
+
+def apply_rope_scaling(config: Any, scaling: dict[str, Any]) -> bool:
+    """Put a GGUF's RoPE scaling (gguf_rope_scaling) into a Gemma 3 config that lacks it: on its
+    global layers, as transformers' Gemma 3 configs and llama.cpp scale them (the sliding-window
+    layers keep theirs). True if the config changed; other model types are left as they are."""
+    if getattr(config, "model_type", None) != "gemma3_text":
+        return False
+    if scaling["rope_type"] != "linear":
+        raise ValueError(f"the GGUF scales RoPE by {scaling['rope_type']!r}; Gemma 3 files scale it linearly")
+    parameters = {kind: dict(values) for kind, values in (getattr(config, "rope_parameters", None) or {}).items()}
+    full = parameters.setdefault("full_attention", {"rope_type": "default"})
+    if full.get("rope_type", "default") != "default":
+        return False  # the config has a scaling of its own
+    full.update(scaling)
+    config.rope_parameters = parameters
+    return True
+
+
 def apply_rope_factors(rotary: Any, factors: torch.Tensor) -> None:
     """Divide a transformers rotary module's frequencies by a GGUF's ``rope_freqs`` factors."""
     if getattr(rotary, "rope_type", "default") != "default":

@@ -104,10 +104,14 @@ def load_onto_kernels(source: ModelSource, config: ModelConfig) -> LoadedModel |
     embedding's blocks, and a weightless transformers model supplies the config, norms and
     rotary tables. None where that does not apply (a format or shape the kernels do not run):
     then transformers loads it."""
-    from parrot.engine.quant import ROPE_FACTORS, apply_rope_factors, read_gguf_native, release_file_pages
+    from parrot.engine.quant import (ROPE_FACTORS, apply_rope_factors, apply_rope_scaling, gguf_rope_scaling,
+                                     read_gguf_native, release_file_pages)
 
     assert source.gguf_path is not None
     tokenizer, model_config = gguf_tokenizer_and_config(source)
+    scaling = gguf_rope_scaling(source.gguf_path)  # Gemma 3 4B and larger: transformers' conversion drops it
+    if scaling is not None:
+        apply_rope_scaling(model_config, scaling)
     try:
         blocks, small = read_gguf_native(source.gguf_path, model_config)
     except ValueError as exc:
