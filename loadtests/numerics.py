@@ -11,7 +11,12 @@ transformers forward over the same tokens; at the first divergence, transformers
 the two tokens, a near-tie when it is at most twice that prompt's largest logit difference
 (each logit moved by at most that much, so their gap by at most twice).
 
-    python -m loadtests.numerics --prompts 10
+    python -m loadtests.numerics --per-task 2
+    python -m loadtests.numerics --model gemma-3-270m-q4_k_m.gguf --completion --max-tokens 48
+
+``--model``: another model (a GGUF is loaded onto the kernels as ``parrot serve`` loads it, and
+transformers reads the same file for the reference); ``--completion``: prompts as plain
+completions (the vocabulary's BOS, no chat template: for files without one).
 """
 
 from __future__ import annotations
@@ -27,23 +32,31 @@ from loadtests.bench_engine import DATA
 TASKS = ["summarization", "context_qa", "grammar", "code_edit", "open_chat"]
 
 
-def compare(prompts: list[str], max_tokens: int = 64, activations: str = "q8") -> dict[str, Any]:
+def compare(prompts: list[str], max_tokens: int = 64, activations: str = "q8", model: str | None = None,
+            completion: bool = False) -> dict[str, Any]:
     from parrot.config import DraftingConfig, ModelConfig
     from parrot.engine.costmodel import measure_cost_curve
     from parrot.engine.engine import Engine, GenerationRequest
     from parrot.engine.hf_loading import gguf_blocks, load_transformers
-    from parrot.engine.loader import prepare
+    from parrot.engine.loader import load_model, prepare
     from parrot.engine.sampling import SamplingParams
 
-    source, tokenizer, hf_model = load_transformers(ModelConfig())
-    loaded = prepare(hf_model, tokenizer, source.display_name, blocks=gguf_blocks(source, hf_model),
-                     activations=activations)
+    config = ModelConfig() if model is None else ModelConfig(source=model, activations=activations)
+    source, tokenizer, hf_model = load_transformers(config)
+    if model is None:  # the embedded model: Parrot's forward over the same loaded weights
+        loaded = prepare(hf_model, tokenizer, source.display_name, blocks=gguf_blocks(source, hf_model),
+                         activations=activations)
+    else:
+        loaded = load_model(ModelConfig(source=model, backend="native", activations=activations))
     forward = loaded.forward
     drafting = DraftingConfig()
     engine = Engine(forward, tokenizer, drafting, measure_cost_curve(forward, drafting.max_draft + 1, repeats=3))
     rows = []
     for prompt in prompts:
-        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        if completion:
+            ids = tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
         ours = engine.generate(GenerationRequest(ids, SamplingParams(max_tokens=max_tokens))).token_ids
         inputs = torch.tensor([ids])
         with torch.inference_mode():
@@ -73,7 +86,7 @@ def compare(prompts: list[str], max_tokens: int = 64, activations: str = "q8") -
     return {
         "prompts": len(rows), "identical": len(rows) - len(diverged), "near_ties": sum(r["near_tie"] for r in diverged),
         "max_logit_diff": max(r["max_logit_diff"] for r in rows), "activations": activations,
-        "divergence_gaps": [r["gap"] for r in diverged], "rows": rows,
+        "divergence_gaps": [r["gap"] for r in diverged], "backend": loaded.details or loaded.backend, "rows": rows,
     }
 
 
@@ -90,9 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-task", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--activations", default="q8", choices=("q8", "float32"))
+    parser.add_argument("--model", help="a model other than the embedded one (a GGUF file, a directory)")
+    parser.add_argument("--completion", action="store_true", help="plain completions, no chat template")
+    parser.add_argument("--rows", action="store_true", help="print every prompt's row too")
     args = parser.parse_args(argv)
-    result = compare(prompts_per_task(args.per_task), args.max_tokens, args.activations)
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
+    result = compare(prompts_per_task(args.per_task), args.max_tokens, args.activations, args.model, args.completion)
+    print(json.dumps({k: v for k, v in result.items() if args.rows or k != "rows"}, indent=1))
     return 0
 
 

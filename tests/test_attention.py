@@ -23,20 +23,23 @@ def _cache(kv_heads: int, capacity: int, dim: int, seed: int) -> tuple[torch.Ten
     return torch.randn(kv_heads, capacity, dim, generator=g), torch.randn(kv_heads, capacity, dim, generator=g)
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int) -> torch.Tensor:
-    """float64 causal attention; query t of n sits at position end - n + t; head h reads kv head h // group."""
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, window: int = 0) -> torch.Tensor:
+    """float64 causal attention; query t of n sits at position end - n + t; head h reads kv head h // group;
+    ``window`` > 0: position i sees keys j with i - window < j <= i (transformers' sliding window)."""
     n, heads, dim = q.shape
     group = heads // k.shape[0]
     keys = k[:, :end].double().repeat_interleave(group, 0)
     values = v[:, :end].double().repeat_interleave(group, 0)
     scores = torch.einsum("nhd,hjd->hnj", q.double(), keys) * dim**-0.5
     visible = torch.ones(n, end, dtype=torch.bool).tril(end - n)
+    if window:
+        visible &= ~torch.ones(n, end, dtype=torch.bool).tril(end - n - window)
     weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return torch.einsum("hnj,hjd->nhd", weights, values).reshape(n, heads * dim)
 
 
 @each_isa
-@pytest.mark.parametrize("dim,heads,kv_heads", [(16, 4, 2), (64, 9, 3), (64, 4, 4), (128, 4, 1)])
+@pytest.mark.parametrize("dim,heads,kv_heads", [(16, 4, 2), (64, 9, 3), (64, 4, 4), (128, 4, 1), (256, 4, 1)])
 @pytest.mark.parametrize("n,end", [(1, 1), (1, 300), (3, 17), (8, 256), (8, 600), (17, 520)])
 def test_decode_attention_equals_float64_causal_attention(isa, dim, heads, kv_heads, n, end):
     # Ends around the 256-position chunks the kernel splits the cache into.
@@ -44,6 +47,36 @@ def test_decode_attention_equals_float64_causal_attention(isa, dim, heads, kv_he
     q = torch.randn(n, heads, dim, generator=torch.Generator().manual_seed(end)) * 2
     out = kernels(isa).attention(q, k, v, end, dim**-0.5)
     torch.testing.assert_close(out.double(), _reference(q, k, v, end), atol=1e-5, rtol=1e-5)
+
+
+@each_isa
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 4, 2), (256, 4, 1)])
+@pytest.mark.parametrize("n,end,window", [
+    (1, 1, 8), (1, 300, 8), (3, 17, 8), (8, 600, 8),  # windows inside one 256-position chunk
+    (17, 520, 8),  # a window across a chunk boundary for some rows, not for others
+    (8, 600, 300), (1, 600, 512),  # windows over two and three chunks (the first: chunk 0 skipped)
+    (5, 40, 512),  # a window longer than the sequence: plain causal attention
+])
+def test_sliding_window_attention_equals_float64_windowed_attention(isa, dim, heads, kv_heads, n, end, window):
+    k, v = _cache(kv_heads, 640, dim, seed=n + end)
+    q = torch.randn(n, heads, dim, generator=torch.Generator().manual_seed(end)) * 2
+    out = kernels(isa).attention(q, k, v, end, dim**-0.5, window)
+    expected = _reference(q, k, v, end, window)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    if end > window:  # the window matters here: the whole causal attention is another result
+        assert not torch.allclose(_reference(q, k, v, end).float(), expected.float(), atol=1e-3)
+
+
+@each_isa
+def test_a_rows_windowed_result_does_not_depend_on_the_rest_of_the_pass(isa):
+    # Rows of one pass see different windows (and the pass visits chunks some rows do not see).
+    k, v = _cache(1, 1024, 256, seed=1)
+    q = torch.randn(12, 4, 256, generator=torch.Generator().manual_seed(2))
+    end, window = 700, 200
+    together = kernels(isa).attention(q, k, v, end, 0.0625, window)
+    for t in range(12):
+        alone = kernels(isa).attention(q[t : t + 1], k, v, end - 12 + t + 1, 0.0625, window)
+        assert torch.equal(alone[0], together[t])
 
 
 @each_isa
@@ -61,7 +94,7 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_the_pass(isa):
 @each_isa
 def test_unsupported_head_shapes_are_declined(isa):
     supports = kernels(isa).attention_supports
-    assert supports(64, 9, 3) and supports(16, 4, 2) and supports(128, 32, 8)
+    assert supports(64, 9, 3) and supports(16, 4, 2) and supports(128, 32, 8) and supports(256, 4, 1)
     assert not supports(24, 4, 2)  # a head size the kernels have no tile for
     assert not supports(64, 9, 2)  # heads not a multiple of kv heads
 

@@ -128,11 +128,15 @@ def load_transformers(config: ModelConfig, source: ModelSource | None = None) ->
     except OSError as exc:
         raise ModelNotFoundError(f"cannot load model {config.source!r}: {exc}") from exc
     if source.gguf_file is not None:  # transformers reads no rope_freqs (Llama 3.1 and later)
-        from parrot.engine.quant import apply_rope_factors, gguf_rope_factors
+        from parrot.engine.quant import apply_rope_factors, apply_rope_scaling, gguf_rope_factors, gguf_rope_scaling
 
         factors = gguf_rope_factors(os.path.join(source.path, source.gguf_file))
         if factors is not None:
             apply_rope_factors(hf_model.model.rotary_emb, factors)
+        # nor the scaling in the metadata (Gemma 3 4B and larger): the rotary module is rebuilt with it
+        scaling = gguf_rope_scaling(os.path.join(source.path, source.gguf_file))
+        if scaling is not None and apply_rope_scaling(hf_model.config, scaling):
+            hf_model.model.rotary_emb = type(hf_model.model.rotary_emb)(config=hf_model.config)
     return source, tokenizer, hf_model.to(device).eval()
 
 

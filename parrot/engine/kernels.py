@@ -89,8 +89,17 @@ Mat._fields_ = [("kind", ctypes.c_int32), ("N", ctypes.c_int64), ("K", ctypes.c_
 
 
 class LayerDesc(ctypes.Structure):
+    """csrc/model.h's Layer: a null pointer (None) is a norm the model does not have."""
+
     _fields_ = [("qkv", Mat), ("o", Mat), ("gate_up", Mat), ("down", Mat),
-                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)]
+                ("input_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+                ("attn_post_norm", ctypes.c_void_p), ("ffn_post_norm", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("window", ctypes.c_int64)]
+
+
+# csrc/model.h's Activation: the gated MLP's activation by its transformers name
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 class ModelDesc(ctypes.Structure):
@@ -98,8 +107,9 @@ class ModelDesc(ctypes.Structure):
         ("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
         ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
         ("vocab", ctypes.c_int64), ("max_positions", ctypes.c_int64),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("threads", ctypes.c_int32), ("q8", ctypes.c_int32), ("kv16", ctypes.c_int32),
-        ("embed", ctypes.c_void_p), ("embed_blocks", ctypes.POINTER(Mat)), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("embed_scale", ctypes.c_float),
+        ("threads", ctypes.c_int32), ("q8", ctypes.c_int32), ("kv16", ctypes.c_int32), ("act", ctypes.c_int32),
+        ("embed", ctypes.c_void_p), ("embed_blocks", ctypes.POINTER(Mat)), ("final_norm", ctypes.c_void_p),
         ("lm_head", Mat), ("layers", ctypes.POINTER(LayerDesc)),
     ]
 
@@ -141,7 +151,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.parrot_linear.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                                   ctypes.c_int]
     lib.parrot_attention.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [
-        ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     lib.parrot_attention_supports.argtypes = [ctypes.c_int64] * 3
     lib.parrot_forward.argtypes = [ctypes.POINTER(ModelDesc), ctypes.c_int64, ctypes.POINTER(SeqDesc),
                                    ctypes.c_void_p, ctypes.c_void_p]
@@ -228,9 +238,11 @@ class Kernels:
     def attention_supports(self, head_dim: int, heads: int, kv_heads: int) -> bool:
         return bool(self._lib.parrot_attention_supports(head_dim, heads, kv_heads))
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, scale: float) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, scale: float,
+                  window: int = 0) -> torch.Tensor:
         """Causal attention of q [n, heads, D] (positions end - n .. end - 1) over k, v
-        [kv_heads, capacity, D] holding ``end`` positions; returns [n, heads * D]."""
+        [kv_heads, capacity, D] holding ``end`` positions; returns [n, heads * D]. ``window`` > 0:
+        each query sees only the last ``window`` positions up to its own (sliding-window layers)."""
         n, heads, dim = q.shape
         kv_heads, capacity, _ = k.shape
         if not (self.attention_supports(dim, heads, kv_heads) and k.shape == v.shape and k.shape[2] == dim):
@@ -240,7 +252,7 @@ class Kernels:
         q = q.contiguous()
         out = q.new_empty(n, heads * dim)
         self._lib.parrot_attention(q.data_ptr(), n, heads, dim, k.data_ptr(), v.data_ptr(), kv_heads, capacity, end,
-                                   scale, out.data_ptr(), self.threads())
+                                   max(0, window), scale, out.data_ptr(), self.threads())
         return out
 
     def read_bandwidth(self, megabytes: int = 256, repeats: int = 3) -> float:

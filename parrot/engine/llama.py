@@ -1,4 +1,5 @@
-"""Parrot's own forward pass for Llama-family models, with a preallocated KV cache per sequence.
+"""Parrot's own forward pass for Llama-family and Gemma 3 models, with a preallocated KV cache
+per sequence.
 
 Why not call the transformers model: on CPUs a transformers forward spends much of its time
 outside the arithmetic (`DynamicCache` re-concatenates the whole cache every step, and MKL's
@@ -7,25 +8,30 @@ Here:
 
 - with GGUF blocks for every linear layer (the usual case on CPU), every pass, prompt chunks
   included (in pieces of PIECE rows), is one call of the compiled kernels (kernels.py,
-  csrc/model.h: norms, block linears, RoPE, attention, SiLU, residuals), which computes every
-  row on its own, so a token's logits and KV are the same bit for bit alone, with a draft, or
-  however its prompt was chunked (what the prefix cache relies on);
+  csrc/model.h: norms, block linears, RoPE, attention, SiLU or GELU, residuals), which computes
+  every row on its own, so a token's logits and KV are the same bit for bit alone, with a draft,
+  or however its prompt was chunked (what the prefix cache relies on);
 - otherwise (no blocks, or not on CPU) sequences feeding up to 32 tokens go through the block
   kernels where there are some and the attention kernel, and longer prompt chunks through
   float32 weights, fused (q|k|v, gate|up) and, on CPU, packed once for oneDNN, and SDPA;
 - the KV cache is one tensor per sequence, written in place; cropping it is setting a length.
+  Sliding-window layers keep every position too (the window is applied when attending), so a
+  cache crops back to any length after a rejected draft.
 
 The weights, rotary tables and normalisation come from the loaded transformers model, so the
 arithmetic is the same as transformers' up to the order of additions (same RMSNorm formula, the
 model's own rotary tables). Several sequences can be fed in one pass: the linear layers run over
-all their new tokens together and attention runs per sequence.
+all their new tokens together and attention runs per sequence. How a model type's layers differ
+from Llama's is one row of ``FAMILIES``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,11 +39,40 @@ import torch
 import torch.nn.functional as F
 
 from parrot.engine.backend import KVLayout
-from parrot.engine.kernels import Kernels, LayerDesc, ModelDesc, SeqDesc, mats
+from parrot.engine.kernels import ACTIVATIONS, Kernels, LayerDesc, ModelDesc, SeqDesc, mats
 from parrot.engine.kernels import kernels as load_kernels
 from parrot.engine.quant import BlockWeight
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+@dataclass(frozen=True)
+class Family:
+    """How a transformers model type's decoder differs from Llama's, as far as this forward runs it."""
+
+    # RMSNorm multiplies by 1 + w, in float32, before casting back (Gemma), rather than by w
+    # after casting back (Llama).
+    norm_plus_one: bool = False
+    # Norms on attention's and the MLP's outputs before their residuals (post_attention_layernorm
+    # and post_feedforward_layernorm), and pre_feedforward_layernorm before the MLP; without them
+    # post_attention_layernorm is the norm before the MLP (Llama).
+    output_norms: bool = False
+    qk_norms: bool = False  # an RMSNorm over each q and k head before RoPE (q_norm, k_norm)
+    embed_scale: bool = False  # token rows times sqrt(hidden_size), cast to the model's dtype
+    # config.layer_types picks each layer's attention: "sliding_attention" (config.sliding_window
+    # positions, RoPE by rope_parameters["sliding_attention"]) or "full_attention"
+    # (rope_parameters["full_attention"]).
+    layer_types: bool = False
+
+
+LLAMA = Family()
+GEMMA3 = Family(norm_plus_one=True, output_norms=True, qk_norms=True, embed_scale=True, layer_types=True)
+# transformers model types the forward runs (a Gemma 3 GGUF converts to "gemma3_text")
+FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "gemma3_text": GEMMA3}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+# Layer types, by transformers' names: attention over every position before a query, or over a
+# sliding window of config.sliding_window positions. Models without config.layer_types have FULL
+# layers only.
+FULL = "full_attention"
+SLIDING = "sliding_attention"
 # Rows per sequence up to which the block kernels beat float32 GEMM (measured on the embedded
 # model): for models without the whole compiled pass, longer prompt chunks go through GEMM.
 SMALL_ROWS = 32
@@ -48,33 +83,60 @@ SMALL_ROWS = 32
 PIECE = 64
 
 
+def activation(config: Any) -> str:
+    """The gated MLP's activation, by its transformers name (Gemma's configs say hidden_activation)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "silu"
+
+
+def layer_types(config: Any) -> list[str]:
+    """Each layer's attention type: FULL or SLIDING (config.layer_types for the families that read it)."""
+    family = FAMILIES.get(config.model_type, LLAMA)
+    if family.layer_types and getattr(config, "layer_types", None):
+        return list(config.layer_types)
+    return [FULL] * config.num_hidden_layers
+
+
 def native_support(hf_model: Any) -> str | None:
-    """None when ``LlamaForward`` can run this model, else the reason it cannot."""
+    """None when ``LlamaForward`` can run this model, else what it does not run."""
     config = hf_model.config
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+    family = FAMILIES.get(config.model_type)
+    if family is None:
         return f"model type {config.model_type!r} (native forward covers {', '.join(SUPPORTED_MODEL_TYPES)})"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r}"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "sliding-window attention"
+    if activation(config) not in ACTIVATIONS:
+        return f"activation {activation(config)!r}"
     if getattr(config, "mlp_bias", False):
         return "MLP biases"
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, name, None):
+            return f"{name.replace('_', ' ')} ({getattr(config, name)})"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    if not family.layer_types:
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            return "sliding-window attention"
+        return None
+    kinds = layer_types(config)
+    if len(kinds) != config.num_hidden_layers or not set(kinds) <= {FULL, SLIDING}:
+        return f"layer types {sorted(set(kinds))} for {config.num_hidden_layers} layers"
+    if SLIDING in kinds and not getattr(config, "sliding_window", None):
+        return "sliding-window layers without a window size"
     return None
 
 
 class RotaryTables:
-    """transformers' default rotary embedding for a Llama-family config: the same float32
-    operations, so the same tables bit for bit (tested), without importing transformers'
-    modelling code (34 MB resident that a GGUF on the kernels does not use). The power, cosine and
-    sine go through torch, whose kernels decide their last bits; the divisions and products,
-    correctly rounded in any library, through NumPy: each torch operation a process first runs
-    pages in its code, and these would add 3 MB to the resident memory."""
+    """transformers' default rotary embedding for a Llama-family config (or one layer type of a
+    Gemma 3 config): the same float32 operations, so the same tables bit for bit (tested),
+    without importing transformers' modelling code (34 MB resident that a GGUF on the kernels
+    does not use). The power, cosine and sine go through torch, whose kernels decide their last
+    bits; the divisions and products, correctly rounded in any library, through NumPy: each torch
+    operation a process first runs pages in its code, and these would add 3 MB to the resident
+    memory."""
 
     rope_type = "default"
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, layer_type: str | None = None) -> None:
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        base = _rope_parameters(config)["rope_theta"]
+        base = _rope_parameters(config, layer_type)["rope_theta"]
         # 1 / base ** (arange(0, dim, 2) / dim), as transformers writes it in torch
         exponents = torch.from_numpy(np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
         self.inv_freq = torch.from_numpy(np.float32(1.0) / torch.pow(base, exponents).numpy())
@@ -86,11 +148,30 @@ class RotaryTables:
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
-def _rope_parameters(config: Any) -> dict[str, Any]:
+def _rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """RoPE's parameters; ``layer_type``: those of one layer type where the config has them per
+    type (Gemma 3: rope_parameters["sliding_attention"] and ["full_attention"])."""
     parameters = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(parameters.get(layer_type), dict):
+        parameters = dict(parameters[layer_type])
     parameters.setdefault("rope_type", "default")
     parameters.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return parameters
+
+
+Rotary = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (x, positions) -> cos, sin
+
+
+def _rotaries(config: Any, rotary: Any) -> dict[str, Rotary]:
+    """The rotary tables' function of each layer type the model has, from its rotary module:
+    transformers' (Gemma 3's takes the layer type), or ``weightless_model``'s dict of
+    RotaryTables by layer type."""
+    kinds = sorted(set(layer_types(config)))
+    if isinstance(rotary, dict):
+        return {kind: rotary[kind] for kind in kinds}
+    if FAMILIES[config.model_type].layer_types:
+        return {kind: functools.partial(rotary, layer_type=kind) for kind in kinds}
+    return {kind: rotary for kind in kinds}
 
 
 # Rope types whose tables depend on the range of positions asked for (transformers picks the
@@ -115,7 +196,9 @@ def weightless_model(config: Any, small: dict[str, torch.Tensor]) -> Any:
     transformers' modules are needed for the tables)."""
     from types import SimpleNamespace as Node
 
-    if _rope_parameters(config)["rope_type"] != "default":
+    kinds = sorted(set(layer_types(config)))
+    per_type = FAMILIES[config.model_type].layer_types
+    if any(_rope_parameters(config, kind if per_type else None)["rope_type"] != "default" for kind in kinds):
         return None
     hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -123,20 +206,27 @@ def weightless_model(config: Any, small: dict[str, torch.Tensor]) -> Any:
     def linear(name: str, rows: int, cols: int) -> Any:
         return Node(weight=torch.empty(rows, cols, device="meta"), bias=small.get(f"{name}.bias"), out_features=rows)
 
+    def norm(name: str) -> Any:
+        return Node(weight=small[name]) if name in small else None
+
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         attn = Node(q_proj=linear(p + "self_attn.q_proj", heads * head_dim, hidden),
                     k_proj=linear(p + "self_attn.k_proj", kv_heads * head_dim, hidden),
                     v_proj=linear(p + "self_attn.v_proj", kv_heads * head_dim, hidden),
-                    o_proj=linear(p + "self_attn.o_proj", hidden, heads * head_dim))
+                    o_proj=linear(p + "self_attn.o_proj", hidden, heads * head_dim),
+                    q_norm=norm(p + "self_attn.q_norm.weight"), k_norm=norm(p + "self_attn.k_norm.weight"))
         mlp = Node(gate_proj=linear(p + "mlp.gate_proj", config.intermediate_size, hidden),
                    up_proj=linear(p + "mlp.up_proj", config.intermediate_size, hidden),
                    down_proj=linear(p + "mlp.down_proj", hidden, config.intermediate_size))
-        layers.append(Node(self_attn=attn, mlp=mlp, input_layernorm=Node(weight=small[p + "input_layernorm.weight"]),
-                           post_attention_layernorm=Node(weight=small[p + "post_attention_layernorm.weight"])))
+        layers.append(Node(self_attn=attn, mlp=mlp, input_layernorm=norm(p + "input_layernorm.weight"),
+                           post_attention_layernorm=norm(p + "post_attention_layernorm.weight"),
+                           pre_feedforward_layernorm=norm(p + "pre_feedforward_layernorm.weight"),
+                           post_feedforward_layernorm=norm(p + "post_feedforward_layernorm.weight")))
+    rotary: Any = ({kind: RotaryTables(config, kind) for kind in kinds} if per_type else RotaryTables(config))
     inner = Node(embed_tokens=Node(weight=torch.empty(config.vocab_size, hidden, device="meta")), layers=layers,
-                 norm=Node(weight=small["model.norm.weight"]), rotary_emb=RotaryTables(config))
+                 norm=Node(weight=small["model.norm.weight"]), rotary_emb=rotary)
     return Node(config=config, model=inner, lm_head=linear("lm_head", config.vocab_size, hidden))
 
 
@@ -218,7 +308,7 @@ class Linear:
 
 class _Layer:
     def __init__(self, index: int, layer: Any, blocks: dict[str, BlockWeight], kernels: Kernels | None,
-                 q8: bool) -> None:
+                 q8: bool, family: Family, kind: str, window: int) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         p = f"model.layers.{index}."
         names = {n: f"{p}{n}.weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
@@ -229,8 +319,30 @@ class _Layer:
         self.gate_up = Linear([names["mlp.gate_proj"], names["mlp.up_proj"]], [mlp.gate_proj, mlp.up_proj], blocks,
                               kernels, q8)
         self.down = Linear([names["mlp.down_proj"]], [mlp.down_proj], blocks, kernels, q8)
-        self.input_norm = layer.input_layernorm.weight.detach().contiguous()  # read in place by the kernels
-        self.post_norm = layer.post_attention_layernorm.weight.detach().contiguous()
+        self.kind = kind  # FULL or SLIDING: which rotary tables
+        self.window = window  # positions a query sees, itself included; 0: all
+        # Norm weights as the factors the normalised values are multiplied by (read in place by
+        # the kernels); None where the family has no such norm.
+        norm = functools.partial(_norm_factor, family=family)
+        self.input_norm = norm(layer.input_layernorm)
+        self.attn_post_norm = self.ffn_post_norm = self.q_norm = self.k_norm = None
+        if family.output_norms:
+            self.ffn_norm = norm(layer.pre_feedforward_layernorm)
+            self.attn_post_norm = norm(layer.post_attention_layernorm)
+            self.ffn_post_norm = norm(layer.post_feedforward_layernorm)
+        else:
+            self.ffn_norm = norm(layer.post_attention_layernorm)
+        if family.qk_norms:
+            self.q_norm, self.k_norm = norm(attn.q_norm), norm(attn.k_norm)
+
+
+def _norm_factor(module: Any, family: Family) -> torch.Tensor:
+    """A norm's weight as the factor it multiplies by: Gemma's 1 + w (in float32, as transformers
+    computes it), Llama's w."""
+    if module is None or module.weight is None:
+        raise ValueError("a norm weight the model type has is missing")
+    weight = module.weight.detach()
+    return (1.0 + weight.float()).contiguous() if family.norm_plus_one else weight.contiguous()
 
 
 class _Route:
@@ -301,7 +413,7 @@ class KVCache:
 
 
 class LlamaForward:
-    """Forward passes of a Llama-family transformers model over ``KVCache`` objects."""
+    """Forward passes of a Llama-family or Gemma 3 transformers model over ``KVCache`` objects."""
 
     def __init__(self, hf_model: Any, max_positions: int, blocks: dict[str, BlockWeight] | None = None,
                  isa: str | None = None, activations: str = "q8") -> None:
@@ -314,6 +426,7 @@ class LlamaForward:
             raise ValueError(f"native forward does not support {reason}")
         config = hf_model.config
         inner = hf_model.model
+        self.family = FAMILIES[config.model_type]
         self.device = inner.embed_tokens.weight.device
         if self.device.type == "meta":  # a weightless model (backends/native.py, load_onto_kernels): blocks only
             self.device = torch.device("cpu")
@@ -334,25 +447,37 @@ class LlamaForward:
         self.attention_kernel = None
         if kernels is not None and kernels.attention_supports(self.head_dim, self.num_heads, self.num_kv_heads):
             self.attention_kernel = kernels
-        self.scale = self.head_dim ** -0.5
+        # Gemma scales scores by query_pre_attn_scalar ** -0.5 (its 270M: head_dim ** -0.5 too)
+        self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        self.activation = activation(config)
+        # Token rows times sqrt(hidden) where the family scales them; transformers casts the
+        # factor to the model's dtype first (Gemma 3 in bfloat16 multiplies by 25.25, not 25.298).
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5 if self.family.embed_scale else 1.0).to(self.dtype)
         if activations not in ("q8", "float32"):
             raise ValueError(f"activations must be q8 or float32, got {activations!r}")
         self.activations = activations
         q8 = activations == "q8"
         blocks = blocks or {}
         self._embed_blocks = blocks.get("model.embed_tokens.weight") if kernels is not None else None
+        kinds = layer_types(config)
+        window = int(getattr(config, "sliding_window", None) or 0)
         with torch.inference_mode():
             self.embed: torch.Tensor | None = inner.embed_tokens.weight.detach().contiguous()
-            self.layers = [_Layer(i, layer, blocks, kernels, q8) for i, layer in enumerate(inner.layers)]
-            self.final_norm = inner.norm.weight.detach().contiguous()
+            self.layers = [_Layer(i, layer, blocks, kernels, q8, self.family, kind, window if kind == SLIDING else 0)
+                           for i, (layer, kind) in enumerate(zip(inner.layers, kinds))]
+            self.final_norm = _norm_factor(inner.norm, self.family)
             self.lm_head = Linear(["lm_head.weight"], [hf_model.lm_head], blocks, kernels, q8)
-            # Rotary tables [positions, head_dim], computed by the model's own rotary module (it
-            # knows the rope scaling type) as far as sequences reach (_fill_rope).
-            self._rotary = inner.rotary_emb
-            self.cos = _untouched(max_positions, self.head_dim, self.dtype, self.device)
-            self.sin = _untouched(max_positions, self.head_dim, self.dtype, self.device)
+            # Rotary tables [positions, head_dim] per layer type, computed by the model's own
+            # rotary module (it knows the rope scaling type) as far as sequences reach (_fill_rope).
+            self._rotaries = _rotaries(config, inner.rotary_emb)
+            self._tables = {kind: (_untouched(max_positions, self.head_dim, self.dtype, self.device),
+                                   _untouched(max_positions, self.head_dim, self.dtype, self.device))
+                            for kind in self._rotaries}
             self._rope_rows = 0
-            whole = getattr(self._rotary, "rope_type", "default") in RANGE_DEPENDENT_ROPE
+            per_type = self.family.layer_types
+            whole = any(_rope_parameters(config, kind if per_type else None)["rope_type"] in RANGE_DEPENDENT_ROPE
+                        or getattr(inner.rotary_emb, "rope_type", "default") in RANGE_DEPENDENT_ROPE
+                        for kind in self._rotaries)
             self._fill_rope(max_positions if whole else 1)
         self.block_kernels = kernels is not None and all(
             linear.blocks is not None for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -381,6 +506,15 @@ class LlamaForward:
         if self.native is not None:
             self.kv_layout = KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
 
+    @property
+    def cos(self) -> torch.Tensor:
+        """The rotary cosines of full-attention layers (Llama's only table)."""
+        return self._tables[FULL][0] if FULL in self._tables else next(iter(self._tables.values()))[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self._tables[FULL][1] if FULL in self._tables else next(iter(self._tables.values()))[1]
+
     def _describe(self, config: Any) -> ModelDesc:
         """The kernel library's view of the model; its pointers stay valid while self lives.
         With tied embeddings in one block format, token rows are expanded from the LM head's
@@ -391,19 +525,25 @@ class LlamaForward:
             embed = self.lm_head.blocks[0]
         lm_head = self.lm_head.mat()  # packs it first: a tied embedding's rows come from the packed copy
         self._embed_mats = mats([embed]) if embed is not None else []
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
         self._layer_descs = (LayerDesc * self.num_layers)(*[
             LayerDesc(layer.qkv.mat(), layer.o.mat(), layer.gate_up.mat(), layer.down.mat(),
-                      layer.input_norm.data_ptr(), layer.post_norm.data_ptr())
+                      ptr(layer.input_norm), ptr(layer.ffn_norm), ptr(layer.attn_post_norm), ptr(layer.ffn_post_norm),
+                      ptr(layer.q_norm), ptr(layer.k_norm),
+                      self._tables[layer.kind][0].data_ptr(), self._tables[layer.kind][1].data_ptr(), layer.window)
             for layer in self.layers
         ])
         return ModelDesc(
             num_layers=self.num_layers, hidden=config.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, intermediate=config.intermediate_size, vocab=self.vocab_size,
-            max_positions=self.max_positions, eps=self.eps, scale=self.scale, threads=1, q8=int(self.activations == "q8"),
-            kv16=int(self.kv_dtype == torch.float16),
+            max_positions=self.max_positions, eps=self.eps, scale=self.scale, embed_scale=float(self.embed_scale),
+            threads=1, q8=int(self.activations == "q8"), kv16=int(self.kv_dtype == torch.float16),
+            act=ACTIVATIONS[self.activation],
             embed=None if self._embed_mats or self.embed is None else self.embed.data_ptr(),
             embed_blocks=ctypes.pointer(self._embed_mats[0]) if self._embed_mats else None,
-            cos=self.cos.data_ptr(), sin=self.sin.data_ptr(),
             final_norm=self.final_norm.data_ptr(), lm_head=lm_head, layers=self._layer_descs,
         )
 
@@ -418,9 +558,10 @@ class LlamaForward:
         end = min(self.max_positions, -(-positions // 256) * 256)
         with torch.inference_mode():
             rows = torch.from_numpy(np.arange(self._rope_rows, end)).to(self.device)[None]
-            cos, sin = self._rotary(torch.empty(1, dtype=self.dtype, device=self.device), rows)
-            self.cos[self._rope_rows : end] = cos[0]
-            self.sin[self._rope_rows : end] = sin[0]
+            for kind, rotary in self._rotaries.items():
+                cos, sin = rotary(torch.empty(1, dtype=self.dtype, device=self.device), rows)
+                self._tables[kind][0][self._rope_rows : end] = cos[0]
+                self._tables[kind][1][self._rope_rows : end] = sin[0]
         self._rope_rows = end
 
     def _linears(self) -> list[Linear]:
@@ -433,7 +574,9 @@ class LlamaForward:
         linears = self._linears()
         weight_bytes = sum(sum(b.nbytes for b in lin.blocks) if lin.blocks is not None else lin.dense.nbytes
                            for lin in linears)
-        kv_bytes = 2 * self.num_layers * self.num_kv_heads * context * self.head_dim * self.kv_dtype.itemsize
+        # a sliding-window layer reads its window's positions only
+        positions = sum(min(context, layer.window) if layer.window else context for layer in self.layers)
+        kv_bytes = 2 * positions * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
         bandwidth = self.kernels.read_bandwidth() if self.kernels is not None else float("nan")
         total = weight_bytes + kv_bytes
         return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bytes_per_pass": total,
@@ -445,6 +588,9 @@ class LlamaForward:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)), computed in float32.
         # One fused kernel instead of six small ones (they cost ~3 ms per pass on 2 cores).
+        # Gemma's multiplies by its factor (1 + w, float32) before casting back.
+        if self.family.norm_plus_one:
+            return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * weight).to(x.dtype)
         return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype) * weight
 
     @staticmethod
@@ -504,44 +650,53 @@ class LlamaForward:
             cache.reserve(start + n)
         ids = torch.tensor([t for _, tokens, _ in batch for t in tokens], device=self.device)
         positions = torch.cat([torch.arange(s, s + n, device=self.device) for s, n in zip(starts, lengths)])
-        cos = self.cos[positions][:, None, :]  # [tokens, 1, head_dim]
-        sin = self.sin[positions][:, None, :]
+        # [tokens, 1, head_dim] per layer type
+        rope = {kind: (cos[positions][:, None, :], sin[positions][:, None, :]) for kind, (cos, sin) in self._tables.items()}
         num_tokens = ids.shape[0]
         q_width = self.num_heads * self.head_dim
         kv_width = self.num_kv_heads * self.head_dim
 
-        # Causal masks for SDPA, one per sequence, shared by every layer: query i (position
-        # start + i) sees keys 0..start + i. None where SDPA's own modes cover it (one query, or
-        # from 0) and where the attention kernel runs (it needs none; building one costs ~50 us).
-        masks = [
-            None if n == 1 or start == 0 or self._attention_kernel_for(n) is not None
-            else torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)
-            for start, n in zip(starts, lengths)
-        ]
+        # Per window size (0: full attention), per sequence: the first cached position its
+        # queries see and SDPA's mask over the positions from there, shared by the layers of
+        # that window.
+        masks = {window: self._masks(starts, lengths, window) for window in {layer.window for layer in self.layers}}
         # Which rows go through the block kernel: those of sequences feeding few tokens.
         small = [n <= SMALL_ROWS for n in lengths]
         route = _Route.of(lengths, small, self.device)
         assert self.embed is not None
         hidden = self.embed[ids]  # [tokens, hidden]
+        if self.family.embed_scale:
+            hidden = hidden * self.embed_scale
         for index, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer.input_norm)
             qkv = route.apply(layer.qkv, x)  # [tokens, (heads + 2 * kv_heads) * head_dim]
             # Rotate q and k together: [tokens, heads + kv_heads, head_dim].
-            qk = self._rope(qkv[:, : q_width + kv_width].view(num_tokens, -1, self.head_dim), cos, sin)
+            qk = qkv[:, : q_width + kv_width].view(num_tokens, -1, self.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                qk = torch.cat((self._rms_norm(qk[:, : self.num_heads], layer.q_norm),
+                                self._rms_norm(qk[:, self.num_heads :], layer.k_norm)), dim=1)
+            qk = self._rope(qk, *rope[layer.kind])
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, q_width + kv_width :].view(num_tokens, self.num_kv_heads, self.head_dim)
             outputs = []
             offset = 0
-            for (cache, _, _), start, n, mask in zip(batch, starts, lengths, masks):
+            for (cache, _, _), start, n, (first, mask) in zip(batch, starts, lengths, masks[layer.window]):
                 end = start + n
                 cache.k[index, :, start:end] = k[offset : offset + n].transpose(0, 1)
                 cache.v[index, :, start:end] = v[offset : offset + n].transpose(0, 1)
-                outputs.append(self._attention(q[offset : offset + n], cache, index, end, mask))
+                outputs.append(self._attention(q[offset : offset + n], cache, index, end, layer.window, first, mask))
                 offset += n
-            hidden = hidden + route.apply(layer.o, torch.cat(outputs) if len(outputs) > 1 else outputs[0])
-            x = self._rms_norm(hidden, layer.post_norm)
+            attended = route.apply(layer.o, torch.cat(outputs) if len(outputs) > 1 else outputs[0])
+            if layer.attn_post_norm is not None:
+                attended = self._rms_norm(attended, layer.attn_post_norm)
+            hidden = hidden + attended
+            x = self._rms_norm(hidden, layer.ffn_norm)
             gate, up = route.apply(layer.gate_up, x).chunk(2, dim=-1)
-            hidden = hidden + route.apply(layer.down, F.silu(gate) * up)
+            gated = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+            mlp = route.apply(layer.down, gated * up)
+            if layer.ffn_post_norm is not None:
+                mlp = self._rms_norm(mlp, layer.ffn_post_norm)
+            hidden = hidden + mlp
 
         for (cache, _, _), n in zip(batch, lengths):
             cache.length += n
@@ -558,21 +713,45 @@ class LlamaForward:
         logits = head_route.apply(self.lm_head, self._rms_norm(hidden[rows], self.final_norm)).float()
         return list(logits.split(counts))
 
+    def _masks(self, starts: Sequence[int], lengths: Sequence[int], window: int) -> list[tuple[int, torch.Tensor | None]]:
+        """Per sequence, for layers attending to ``window`` positions (0: all): the first cached
+        position any of its queries sees, and SDPA's mask over the positions from there (query i,
+        at position start + i, sees p with start + i - window < p <= start + i). The mask is None
+        where SDPA's own modes cover it (one query; a causal block from the first position seen)
+        and where the attention kernel runs (it needs none; building one costs ~50 us)."""
+        out: list[tuple[int, torch.Tensor | None]] = []
+        for start, n in zip(starts, lengths):
+            first = max(0, start + 1 - window) if window else 0
+            if self._attention_kernel_for(n) is not None or n == 1 or (start == first and (not window or n <= window)):
+                out.append((first, None))
+                continue
+            query = torch.arange(start, start + n, device=self.device)[:, None]
+            key = torch.arange(first, start + n, device=self.device)[None]
+            mask = key <= query
+            if window:
+                mask &= key > query - window
+            out.append((first, mask))
+        return out
+
     def _attention_kernel_for(self, n: int) -> Any | None:
         """The attention kernel for a sequence feeding ``n`` tokens; None: SDPA."""
         return self.attention_kernel if n <= SMALL_ROWS else None
 
-    def _attention(self, q: torch.Tensor, cache: KVCache, layer: int, end: int, mask: torch.Tensor | None) -> torch.Tensor:
-        """Causal attention of ``q`` ([n, heads, head_dim], positions end-n..end-1) over the cache."""
+    def _attention(self, q: torch.Tensor, cache: KVCache, layer: int, end: int, window: int, first: int,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention of ``q`` ([n, heads, head_dim], positions end-n..end-1) over the cache
+        (``window`` > 0: each query over the last ``window`` positions up to its own; SDPA reads
+        the positions from ``first`` on, under ``mask``)."""
         n = q.shape[0]
         kernel = self._attention_kernel_for(n)
         if kernel is not None:
-            return kernel.attention(q, cache.k[layer], cache.v[layer], end, self.scale)
-        keys = cache.k[layer, :, :end][None]  # [1, kv_heads, end, head_dim]
-        values = cache.v[layer, :, :end][None]
+            return kernel.attention(q, cache.k[layer], cache.v[layer], end, self.scale, window)
+        keys = cache.k[layer, :, first:end][None]  # [1, kv_heads, end - first, head_dim]
+        values = cache.v[layer, :, first:end][None]
         query = q.transpose(0, 1)[None]  # [1, heads, n, head_dim]
         if mask is not None:
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
-        else:  # one query sees everything; a sequence fed from position 0 is plain causal
-            out = F.scaled_dot_product_attention(query, keys, values, is_causal=n > 1, enable_gqa=True)
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        else:  # one query sees every key given; a block fed from the first position seen is plain causal
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=n > 1, scale=self.scale,
+                                                 enable_gqa=True)
         return out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)

@@ -214,18 +214,33 @@ def load_blocks(path: str) -> dict[str, BlockWeight]:
 # read_gguf_native's key for the file's rope_freqs.weight (no transformers parameter holds it)
 ROPE_FACTORS = "rope_freqs.weight"
 
-# Small float tensors of a Llama GGUF, under transformers' names (the rest are block matrices).
+# A layer's norm weights in a GGUF, under transformers' names, by transformers model type (the
+# rest of a layer is block matrices and biases). Llama's ffn_norm is its post_attention_layernorm
+# (the norm before the MLP); Gemma 3 has a norm on attention's output (post_attention_norm) and
+# on the MLP's (post_ffw_norm), and one per q and k head.
 _GGUF_SMALL = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_GGUF_NORMS = {
+    "gemma3_text": {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+                    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+}
+# Model types whose norm weights llama.cpp's converter stores as 1 + w (Gemma's RMSNorm multiplies
+# by 1 + w; the file holds the factor): transformers subtracts the 1 when it reads them back
+# (its Gemma2TensorProcessor), and so does read_gguf_native, so that both hold the same w.
+NORMS_PLUS_ONE = ("gemma3_text",)
 _GGUF_BIASES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj"}
 
 
 def read_gguf_native(gguf_path: str, config: Any) -> tuple[dict[str, BlockWeight], dict[str, torch.Tensor]]:
-    """A Llama-architecture GGUF read for the compiled kernels without any float32 copy of its
+    """A Llama-architecture (or Gemma 3) GGUF read for the compiled kernels without any float32 copy of its
     matrices: (block matrices under transformers' names, views of the memory-mapped file except
     the q and k projections, whose rows are put in transformers' order; the norms and biases as
     float32 tensors, and the RoPE factors under ``ROPE_FACTORS`` if the file has them). Raises ValueError for a matrix in a format the kernels do not run."""
     blocks: dict[str, BlockWeight] = {}
     small: dict[str, torch.Tensor] = {}
+    model_type = getattr(config, "model_type", "llama")
+    norms = _GGUF_NORMS.get(model_type, _GGUF_SMALL)
+    plus_one = model_type in NORMS_PLUS_ONE
     gguf = GGUFFile(gguf_path)
     gguf.release_header()  # read once: the vocabulary's strings need not stay resident
     for tensor in gguf.tensors:
@@ -235,13 +250,13 @@ def read_gguf_native(gguf_path: str, config: Any) -> tuple[dict[str, BlockWeight
         elif tensor.name == "output.weight":
             name = "lm_head.weight"
         elif tensor.name == "output_norm.weight":
-            small["model.norm.weight"] = _floats(tensor)
+            small["model.norm.weight"] = _norm_weight(tensor, plus_one)
             continue
         elif tensor.name == "rope_freqs.weight":  # see gguf_rope_factors
             small[ROPE_FACTORS] = _floats(tensor)
             continue
-        elif parts[0] == "blk" and parts[2] in _GGUF_SMALL and parts[3] == "weight":
-            small[f"model.layers.{parts[1]}.{_GGUF_SMALL[parts[2]]}.weight"] = _floats(tensor)
+        elif parts[0] == "blk" and parts[2] in norms and parts[3] == "weight":
+            small[f"model.layers.{parts[1]}.{norms[parts[2]]}.weight"] = _norm_weight(tensor, plus_one)
             continue
         elif parts[0] == "blk" and parts[2] in _GGUF_BIASES and parts[3] == "bias":
             bias = _floats(tensor)
@@ -279,6 +294,35 @@ def gguf_rope_factors(gguf_path: str) -> torch.Tensor | None:
     return None if tensor is None else _floats(tensor)
 
 
+def gguf_rope_scaling(gguf_path: str) -> dict[str, Any] | None:
+    """The RoPE scaling a GGUF's metadata states (``{arch}.rope.scaling.type`` and ``.factor``),
+    as transformers' rope parameters, or None. llama.cpp's converter writes Gemma 3's linear
+    scaling of its global layers (4B and larger: factor 8) this way, and transformers' GGUF reader
+    does not read it back."""
+    gguf = GGUFFile(gguf_path)
+    kind = gguf.get(f"{gguf.architecture}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    return {"rope_type": kind, "factor": float(gguf.get(f"{gguf.architecture}.rope.scaling.factor", 1.0))}
+
+
+def apply_rope_scaling(config: Any, scaling: dict[str, Any]) -> bool:
+    """Put a GGUF's RoPE scaling (gguf_rope_scaling) into a Gemma 3 config that lacks it: on its
+    global layers, as transformers' Gemma 3 configs and llama.cpp scale them (the sliding-window
+    layers keep theirs). True if the config changed; other model types are left as they are."""
+    if getattr(config, "model_type", None) != "gemma3_text":
+        return False
+    if scaling["rope_type"] != "linear":
+        raise ValueError(f"the GGUF scales RoPE by {scaling['rope_type']!r}; Gemma 3 files scale it linearly")
+    parameters = {kind: dict(values) for kind, values in (getattr(config, "rope_parameters", None) or {}).items()}
+    full = parameters.setdefault("full_attention", {"rope_type": "default"})
+    if full.get("rope_type", "default") != "default":
+        return False  # the config has a scaling of its own
+    full.update(scaling)
+    config.rope_parameters = parameters
+    return True
+
+
 def apply_rope_factors(rotary: Any, factors: torch.Tensor) -> None:
     """Divide a transformers rotary module's frequencies by a GGUF's ``rope_freqs`` factors."""
     if getattr(rotary, "rope_type", "default") != "default":
@@ -288,6 +332,12 @@ def apply_rope_factors(rotary: Any, factors: torch.Tensor) -> None:
     inv_freq = rotary.inv_freq / factors.to(rotary.inv_freq)
     rotary.inv_freq = inv_freq
     rotary.original_inv_freq = inv_freq.clone()
+
+
+def _norm_weight(tensor: GGUFTensor, plus_one: bool) -> torch.Tensor:
+    """A norm's weight as transformers holds it: the file's, less 1 where the file stores 1 + w
+    (the float32 subtraction transformers makes; its forward adds the 1 back)."""
+    return _floats(tensor) - 1 if plus_one else _floats(tensor)
 
 
 def _floats(tensor: GGUFTensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The native backend: Parrot's own forward (``llama.py``) for Llama-family models.
+"""The native backend: Parrot's own forward (``llama.py``) for Llama-family and Gemma 3 models.
 
 Two ways in, tried in this order:
 - a GGUF file straight onto the compiled kernels (CPU, float32 activations, kernels built): the
@@ -30,8 +30,9 @@ from parrot.gguf_file import GGUFFile
 log = logging.getLogger("parrot.engine")
 
 # GGUF architectures (general.architecture) whose transformers model types the native forward
-# runs (llama.SUPPORTED_MODEL_TYPES): llama.cpp writes Mistral's files as "llama".
-NATIVE_GGUF_ARCHITECTURES = ("llama", "qwen2")
+# runs (llama.SUPPORTED_MODEL_TYPES): llama.cpp writes Mistral's files as "llama", and Gemma 3's
+# text model as "gemma3" (transformers' "gemma3_text").
+NATIVE_GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
 
 def _on_kernels(source: ModelSource, config: ModelConfig) -> bool:
@@ -103,10 +104,14 @@ def load_onto_kernels(source: ModelSource, config: ModelConfig) -> LoadedModel |
     embedding's blocks, and a weightless transformers model supplies the config, norms and
     rotary tables. None where that does not apply (a format or shape the kernels do not run):
     then transformers loads it."""
-    from parrot.engine.quant import ROPE_FACTORS, apply_rope_factors, read_gguf_native, release_file_pages
+    from parrot.engine.quant import (ROPE_FACTORS, apply_rope_factors, apply_rope_scaling, gguf_rope_scaling,
+                                     read_gguf_native, release_file_pages)
 
     assert source.gguf_path is not None
     tokenizer, model_config = gguf_tokenizer_and_config(source)
+    scaling = gguf_rope_scaling(source.gguf_path)  # Gemma 3 4B and larger: transformers' conversion drops it
+    if scaling is not None:
+        apply_rope_scaling(model_config, scaling)
     try:
         blocks, small = read_gguf_native(source.gguf_path, model_config)
     except ValueError as exc:
@@ -131,6 +136,8 @@ def load_onto_kernels(source: ModelSource, config: ModelConfig) -> LoadedModel |
     if native_support(skeleton) is not None:
         return None
     if factors is not None:
+        if isinstance(skeleton.model.rotary_emb, dict):
+            raise ValueError(f"{source.gguf_file}: rope_freqs in a model with rotary tables per layer type")
         apply_rope_factors(skeleton.model.rotary_emb, factors)
     forward = LlamaForward(skeleton, context_window(model_config), blocks, activations=config.activations)
     if forward.native is None:

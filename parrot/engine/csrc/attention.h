@@ -17,7 +17,9 @@
 // too, as in the 8-bit linear layers).
 //
 // Grouped-query attention: query head h reads key/value head h / (heads / kv_heads), as
-// transformers' repeat_kv does.
+// transformers' repeat_kv does. Sliding-window layers (Gemma 3's local layers) pass a window:
+// each row then scores only the keys in its own window, and chunks before every row's window
+// are skipped, so a one-token pass reads window positions, not the whole cache.
 
 #pragma once
 
@@ -108,18 +110,20 @@ inline void value_block(const float* scores, const T* values, int64_t m, float* 
   }
 }
 
-// One item: rows r = t * G + g (token t sees keys < limit[t]) against keys [c0, c1) of one
-// key/value head. Writes per row: max, sum of exp(s - max), sum of exp(s - max) v (D floats);
-// max = -inf when the row sees none of the chunk.
+// One item: rows r = t * G + g (token t sees keys lower[t] <= j < limit[t]) against keys
+// [c0, c1) of one key/value head. Writes per row: max, sum of exp(s - max), sum of exp(s - max) v
+// (D floats); max = -inf when the row sees none of the chunk.
 template <int C8, class T>
-void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const T* keys,
+void chunk(const float* qs, int64_t n, int64_t G, const int64_t* lower, const int64_t* limit, const T* keys,
            const T* values, int64_t c0, int64_t c1, float* scores, float* part, const T* next_keys) {
   constexpr int D = 8 * C8;
   const int64_t S = c1 - c0;
-  const T* k0 = keys + c0 * D;
-  const T* v0 = values + c0 * D;
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t seen = std::min(std::max(limit[t] - c0, (int64_t)0), S);  // keys of this chunk token t sees
+    // The keys of this chunk token t sees: [lo, lo + seen) from c0.
+    const int64_t lo = std::min(std::max(lower[t] - c0, (int64_t)0), S);
+    const int64_t seen = std::max(std::min(std::max(limit[t] - c0, (int64_t)0), S) - lo, (int64_t)0);
+    const T* k0 = keys + (c0 + lo) * D;
+    const T* v0 = values + (c0 + lo) * D;
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
       const int64_t r = t * G + g0, rb = std::min<int64_t>(4, G - g0);
       float* pr = part + r * (D + 2);
@@ -173,7 +177,8 @@ void chunk(const float* qs, int64_t n, int64_t G, const int64_t* limit, const T*
 }
 
 template <class T>
-using ChunkFn = void (*)(const float*, int64_t, int64_t, const int64_t*, const T*, const T*, int64_t, int64_t, float*, float*, const T*);
+using ChunkFn = void (*)(const float*, int64_t, int64_t, const int64_t*, const int64_t*, const T*, const T*, int64_t,
+                         int64_t, float*, float*, const T*);
 
 template <class T>
 ChunkFn<T> pick(int64_t D) {
@@ -182,19 +187,28 @@ ChunkFn<T> pick(int64_t D) {
     case 32: return chunk<4, T>;
     case 64: return chunk<8, T>;
     case 128: return chunk<16, T>;
+    case 256: return chunk<32, T>;
     default: return nullptr;
   }
 }
 
 // q [n, heads, D]; k, v [kv_heads, capacity, D] (one layer of one sequence's cache, float32 or
 // float16) holding `end` positions, the last n of which are the queries' own. out [n, heads * D].
+// `window` > 0: a query sees the last `window` positions up to its own (itself included), as a
+// sliding-window layer does (transformers: key j is seen from position i when i - window < j);
+// 0: every position up to its own. Chunks wholly before every query's window are not visited;
+// a row's arithmetic stays fixed by its own position (chunks it does not see add nothing).
 template <class T>
 void attention(const float* q, int64_t n, int64_t heads, int64_t D, const T* k, const T* v,
-               int64_t kv_heads, int64_t capacity, int64_t end, float scale, float* out, int threads) {
-  const int64_t G = heads / kv_heads, R = n * G, chunks = (end + CHUNK - 1) / CHUNK;
+               int64_t kv_heads, int64_t capacity, int64_t end, int64_t window, float scale, float* out, int threads) {
+  const int64_t G = heads / kv_heads, R = n * G;
   const ChunkFn<T> fn = pick<T>(D);
-  std::vector<int64_t> limit(n);
-  for (int64_t t = 0; t < n; ++t) limit[t] = end - n + t + 1;  // token t sees positions < limit[t]
+  std::vector<int64_t> lower(n), limit(n);
+  for (int64_t t = 0; t < n; ++t) {
+    limit[t] = end - n + t + 1;  // token t sees positions lower[t] <= j < limit[t]
+    lower[t] = window > 0 ? std::max(limit[t] - window, (int64_t)0) : 0;
+  }
+  const int64_t c_lo = lower[0] / CHUNK, chunks = (end + CHUNK - 1) / CHUNK - c_lo;  // lower[0] is the least
   // Partials [kv_heads, chunks, R, D + 2]: max, sum, weighted values.
   std::vector<float> part(kv_heads * chunks * R * (D + 2));
   // Scaled queries by key/value head: qs[h][t * G + g] = scale * q[t][h * G + g].
@@ -207,10 +221,10 @@ void attention(const float* q, int64_t n, int64_t heads, int64_t D, const T* k, 
   std::vector<float> scores(items * R * CHUNK);  // each item's own scratch
   // A thread takes items in order (contiguous shares): while it sums an item's values it fetches
   // the keys of the next one, which would otherwise wait on memory when its scoring starts.
-  const auto keys_of = [&](int64_t i) { return k + (i / chunks) * capacity * D + (i % chunks) * CHUNK * D; };
+  const auto keys_of = [&](int64_t i) { return k + (i / chunks) * capacity * D + (c_lo + i % chunks) * CHUNK * D; };
   pool(threads).parallel_for(items, [&](int64_t i) {
-    const int64_t h = i / chunks, c = i % chunks;
-    fn(qs.data() + h * R * D, n, G, limit.data(), k + h * capacity * D, v + h * capacity * D,
+    const int64_t h = i / chunks, c = c_lo + i % chunks;
+    fn(qs.data() + h * R * D, n, G, lower.data(), limit.data(), k + h * capacity * D, v + h * capacity * D,
        c * CHUNK, std::min((c + 1) * CHUNK, end), scores.data() + i * R * CHUNK, part.data() + i * R * (D + 2),
        i + 1 < items ? keys_of(i + 1) : nullptr);
   });

@@ -1,5 +1,5 @@
 // Parrot's CPU kernels: linear layers over GGUF block weights, causal attention of a few new
-// tokens over a KV cache, and a whole decoding pass of a Llama-family model in one call. This
+// tokens over a KV cache, and a whole decoding pass of a Llama-family or Gemma 3 model in one call. This
 // file is the library's C interface; the work is in the headers, one job each:
 //   formats.h    the block formats: each one's layout, and the table they are dispatched from
 //   tiles.h      linear layers, float path: blocks expanded to float32 in registers
@@ -56,10 +56,12 @@ int parrot_attention_supports(int64_t head_dim, int64_t heads, int64_t kv_heads)
   return attention_supports(head_dim, heads, kv_heads);
 }
 
-// q [n, heads, D]; k, v [kv_heads, capacity, D] float32 holding `end` positions; out [n, heads * D].
+// q [n, heads, D]; k, v [kv_heads, capacity, D] float32 holding `end` positions; out [n, heads * D];
+// `window` > 0: each query sees only the last `window` positions up to its own.
 void parrot_attention(const float* q, int64_t n, int64_t heads, int64_t D, const float* k, const float* v,
-                      int64_t kv_heads, int64_t capacity, int64_t end, float scale, float* out, int threads) {
-  attention(q, n, heads, D, k, v, kv_heads, capacity, end, scale, out, threads);
+                      int64_t kv_heads, int64_t capacity, int64_t end, int64_t window, float scale, float* out,
+                      int threads) {
+  attention(q, n, heads, D, k, v, kv_heads, capacity, end, window, scale, out, threads);
 }
 
 // One decoding pass (model.h): ids every sequence's tokens, concatenated; logits [sum of

@@ -1,6 +1,7 @@
-// A whole decoding pass of a Llama-family model in one call, for sequences that each feed a few
-// tokens: the embedding, then per layer norm, q|k|v, RoPE, the KV cache, attention, o, norm,
-// gate|up, SiLU, down and the residuals, then the final norm and the LM head.
+// A whole decoding pass of a Llama-family or Gemma 3 model in one call, for sequences that each
+// feed a few tokens: the embedding, then per layer norm, q|k|v, (Gemma 3: q and k norms), RoPE,
+// the KV cache, attention, o, (Gemma 3: a norm of its output), norm, gate|up, SiLU or GELU,
+// down, (Gemma 3: a norm of its output) and the residuals, then the final norm and the LM head.
 //
 // Why a whole pass in one call: a decoding pass over the embedded model is ~20 small operations
 // in each of 30 layers; dispatched one by one from Python/torch they cost more than the
@@ -15,22 +16,34 @@
 #include <vector>
 
 // The model and the sequences of a pass as the library sees them (kernels.py builds these).
+// A norm weight is the factor the normalised value is multiplied by (Gemma's 1 + w is passed
+// as that sum); a norm that is null is not applied.
 struct Layer {
-  Mat qkv, o, gate_up, down;  // q|k|v and gate|up fused along N
-  const float* input_norm;    // [hidden]
-  const float* post_norm;     // [hidden]
+  Mat qkv, o, gate_up, down;     // q|k|v and gate|up fused along N
+  const float* input_norm;       // [hidden], before attention
+  const float* ffn_norm;         // [hidden], before the MLP (Llama's post_attention_layernorm)
+  const float* attn_post_norm;   // [hidden], on attention's output before its residual (Gemma 3), or null
+  const float* ffn_post_norm;    // [hidden], on the MLP's output before its residual (Gemma 3), or null
+  const float* q_norm;           // [head_dim], on each q head before RoPE (Gemma 3), or null
+  const float* k_norm;           // [head_dim], on each k head before RoPE, or null
+  const float* cos;              // this layer's rotary tables [max_positions, head_dim]
+  const float* sin;
+  int64_t window;                // a query sees this many positions up to its own; 0: all of them
 };
+
+// Activations of the gated MLP (act(gate) * up).
+enum Activation : int32_t { SILU = 0, GELU_TANH = 1 };
 
 struct Model {
   int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, max_positions;
   float eps, scale;
+  float embed_scale;        // token rows are multiplied by it (Gemma: sqrt(hidden); else 1)
   int32_t threads;
   int32_t q8;               // 8-bit activations for integer block formats (linear.h)
   int32_t kv16;             // the caches hold float16 (else float32)
+  int32_t act;              // Activation
   const float* embed;       // [vocab, hidden] float32 rows, or null: rows of embed_blocks
   const Mat* embed_blocks;  // the embedding in blocks (a tied LM head's), expanded per token
-  const float* cos;         // [max_positions, head_dim]
-  const float* sin;
   const float* final_norm;  // [hidden]
   Mat lm_head;
   const Layer* layers;
@@ -38,7 +51,8 @@ struct Model {
 
 // One sequence of a pass: its cache (k, v [layers, kv_heads, capacity, head_dim], float16 where
 // the model's kv16 is set, else float32; `start` positions filled), the n tokens it feeds, and
-// how many of its last rows need logits.
+// how many of its last rows need logits. Sliding-window layers keep every position too (the
+// window is applied when attending), so a cache can be cropped back to any length.
 struct Seq {
   void* k;
   void* v;
@@ -87,6 +101,27 @@ void silu_mul(const float* gu, int64_t rows, int64_t I, float* out) {
   }
 }
 
+// gelu_tanh(gate) * up, per row [gate | up] -> [I]. gelu_tanh(x) = x (1 + tanh(u)) / 2 with
+// u = sqrt(2 / pi) (x + 0.044715 x^3) (torch's gelu(approximate="tanh")), written as
+// x / (1 + exp(-2u)), the same value.
+void gelu_tanh_mul(const float* gu, int64_t rows, int64_t I, float* out) {
+  constexpr float c = -2.0f * 0.7978845608028654f, c3 = -2.0f * 0.7978845608028654f * 0.044715f;  // -2u = x (c + c3 x^2)
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* g = gu + i * 2 * I;
+    const float* u = g + I;
+    int64_t j = 0;
+    for (; j + L <= I; j += L) {
+      const F x = load(g + j);
+      const F minus_2u = mul(x, add(set1(c), mul(set1(c3), mul(x, x))));
+      store(out + i * I + j, div(mul(x, load(u + j)), add(set1(1.0f), exp(minus_2u))));
+    }
+    for (; j < I; ++j) {
+      const float x = g[j];
+      out[i * I + j] = x * u[j] / (1.0f + std::exp(x * (c + c3 * (x * x))));
+    }
+  }
+}
+
 // ids: every sequence's tokens, concatenated; logits: [sum of num_logits, vocab]. Each cache
 // grows by its n tokens (the caller has reserved the room and updates its lengths).
 void forward(const Model* md, int64_t num_seqs, const Seq* seqs, const int64_t* ids, float* logits) {
@@ -101,6 +136,8 @@ void forward(const Model* md, int64_t num_seqs, const Seq* seqs, const int64_t* 
   } else {
     matrix_rows(md->embed_blocks, ids, M, hidden.data());
   }
+  if (md->embed_scale != 1.0f)
+    for (int64_t i = 0; i < M * H; ++i) hidden[i] *= md->embed_scale;
 
   for (int64_t l = 0; l < md->num_layers; ++l) {
     const Layer& layer = md->layers[l];
@@ -113,7 +150,9 @@ void forward(const Model* md, int64_t num_seqs, const Seq* seqs, const int64_t* 
       for (int64_t t = 0; t < seq.n; ++t) {
         const int64_t pos = seq.start + t;
         float* r = &qkv[(row + t) * qkv_width];
-        rope(r, heads + kvh, D, md->cos + pos * D, md->sin + pos * D);  // q and k heads are adjacent
+        if (layer.q_norm != nullptr) rms_norm(r, layer.q_norm, heads, D, md->eps, r);  // each head, in place
+        if (layer.k_norm != nullptr) rms_norm(r + q_width, layer.k_norm, kvh, D, md->eps, r + q_width);
+        rope(r, heads + kvh, D, layer.cos + pos * D, layer.sin + pos * D);  // q and k heads are adjacent
         for (int64_t h = 0; h < kvh; ++h) {
           const int64_t at = cache_layer + (h * seq.capacity + pos) * D;
           const float *kr = r + q_width + h * D, *vr = r + q_width + kv_width + h * D;
@@ -133,20 +172,23 @@ void forward(const Model* md, int64_t num_seqs, const Seq* seqs, const int64_t* 
       for (int64_t t = 0; t < seq.n; ++t) std::memcpy(&q[t * q_width], &qkv[(row + t) * qkv_width], q_width * sizeof(float));
       if (md->kv16)
         attention(q.data(), seq.n, heads, D, static_cast<const uint16_t*>(seq.k) + cache_layer,
-                  static_cast<const uint16_t*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + seq.n, md->scale,
+                  static_cast<const uint16_t*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + seq.n, layer.window, md->scale,
                   &att[row * q_width], md->threads);
       else
         attention(q.data(), seq.n, heads, D, static_cast<const float*>(seq.k) + cache_layer,
-                  static_cast<const float*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + seq.n, md->scale,
+                  static_cast<const float*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + seq.n, layer.window, md->scale,
                   &att[row * q_width], md->threads);
       row += seq.n;
     }
     linear(&layer.o, att.data(), M, tmp.data(), md->threads, md->q8);
+    if (layer.attn_post_norm != nullptr) rms_norm(tmp.data(), layer.attn_post_norm, M, H, md->eps, tmp.data());
     for (int64_t i = 0; i < M * H; ++i) hidden[i] += tmp[i];
-    rms_norm(hidden.data(), layer.post_norm, M, H, md->eps, x.data());
+    rms_norm(hidden.data(), layer.ffn_norm, M, H, md->eps, x.data());
     linear(&layer.gate_up, x.data(), M, gu.data(), md->threads, md->q8);
-    silu_mul(gu.data(), M, I, act.data());
+    if (md->act == GELU_TANH) gelu_tanh_mul(gu.data(), M, I, act.data());
+    else silu_mul(gu.data(), M, I, act.data());
     linear(&layer.down, act.data(), M, tmp.data(), md->threads, md->q8);
+    if (layer.ffn_post_norm != nullptr) rms_norm(tmp.data(), layer.ffn_post_norm, M, H, md->eps, tmp.data());
     for (int64_t i = 0; i < M * H; ++i) hidden[i] += tmp[i];
   }
   // Logits of each sequence's last num_logits rows.
