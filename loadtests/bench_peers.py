@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exact-prompts", type=int, default=50, help="prompts for the on = off check (0: skip)")
     parser.add_argument("--depths", default="512,2048,8192", help="context depths of the pass-cost table")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--completion", action="store_true",
+                        help="plain completions of the prompts (for a GGUF without a chat template, such as Gemma 3 270M's)")
     parser.add_argument("--numerics-per-task", type=int, default=2,
                         help="prompts per task for the check against transformers float32 (0: skip)")
     parser.add_argument("--kernels", default=None, help="Parrot's kernel set (PARROT_KERNELS; default: the best this CPU runs)")
@@ -235,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             entry = {"task": task, "id": row["id"], "runs": {}, "natural": {}}
             for name in order:
                 url, extra = systems[name]
-                entry["runs"][name] = stream_chat(url, row["prompt"], args.max_tokens, {**extra, "ignore_eos": True})
-                entry["natural"][name] = stream_chat(url, row["prompt"], args.max_tokens, extra)
+                entry["runs"][name] = stream_chat(url, row["prompt"], args.max_tokens, {**extra, "ignore_eos": True},
+                                                   args.completion)
+                entry["natural"][name] = stream_chat(url, row["prompt"], args.max_tokens, extra, args.completion)
             lengths = {r["tokens"] for r in entry["runs"].values()}
             if len(lengths) > 1:
                 print(f"  unequal lengths with ignore_eos: {dict((n, r['tokens']) for n, r in entry['runs'].items())}")
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         each = args.exact_prompts // len(TASKS)
         for task in TASKS:
             for row in held_out_prompts(task, each):
-                outputs = [stream_chat(parrot.url, row["prompt"], args.max_tokens, systems[s][1])["text"]
+                outputs = [stream_chat(parrot.url, row["prompt"], args.max_tokens, systems[s][1], args.completion)["text"]
                            for s in ("parrot_on", "parrot_off")]
                 exact["prompts"] += 1
                 if outputs[0] == outputs[1]:

@@ -23,7 +23,10 @@ import sys
 import time
 from typing import Any
 
+from pathlib import Path
+
 from loadtests.bench_tokenizer import load_vocabulary as load
+from loadtests.check_vocabs import test_vectors
 from parrot.tokenizer.loader import Tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
@@ -134,15 +137,24 @@ def main() -> int:
         path = type(tok.budget).__name__
         log(f"{vocab}: {path}; {len(texts)} held-out texts and {len(ADVERSARIAL)} adversarial strings")
         result = check(tok, texts + ADVERSARIAL)
+        vectors = test_vectors(Path(vocab)) if vocab.endswith(".gguf") else []
+        if vectors:  # llama.cpp's test vectors: counts against the family's own tokenizer's ids
+            result["llama_cpp_vectors"] = len(vectors)
+            wrong = [text for text, ids in vectors if tok.budget.count(text) != len(ids)]
+            result["llama_cpp_vectors_wrong"] = len(wrong)
+            result["examples"] += [f"llama.cpp vector {text[:40]!r}" for text in wrong[:5]]
         timings = {size: speed(tok, (corpus * (1 + size // max(1, len(corpus))))[:size], 2000)
                    for size in (10_000, 1_000_000)}
         rows.append({"vocab": os.path.basename(vocab), "budget": path, **result,
                      "speed": {str(k): v for k, v in timings.items()}})
-    print("| vocabulary | budget | checks | mismatches | range count vs re-encode, 10 KB text | 1 MB text |")
-    print("| --- | --- | ---: | ---: | --- | --- |")
+    print("| vocabulary | budget | checks | mismatches | llama.cpp vectors (count = ids) | range count vs re-encode, "
+          "10 KB text | 1 MB text |")
+    print("| --- | --- | ---: | ---: | --- | --- | --- |")
     for r in rows:
         s10, s1m = r["speed"]["10000"], r["speed"]["1000000"]
-        print(f"| {r['vocab']} | {r['budget']} | {r['checks']:,} | {r['mismatches']} | {s10['query_us']:.0f} us vs "
+        vectors = (f"{r['llama_cpp_vectors'] - r['llama_cpp_vectors_wrong']} of {r['llama_cpp_vectors']}"
+                   if "llama_cpp_vectors" in r else "-")
+        print(f"| {r['vocab']} | {r['budget']} | {r['checks']:,} | {r['mismatches']} | {vectors} | {s10['query_us']:.0f} us vs "
               f"{s10['reencode_us']:.0f} us ({s10['speedup']:.1f}x) | {s1m['query_us']:.0f} us vs "
               f"{s1m['reencode_us'] / 1000:.1f} ms ({s1m['speedup']:,.0f}x) |")
         for example in r["examples"]:
@@ -153,7 +165,7 @@ def main() -> int:
         json.dump({"cpu": cpu, "python": platform.python_version(), "texts": len(texts),
                    "adversarial": len(ADVERSARIAL), "results": rows}, f, indent=2)
     log(f"wrote {RESULTS}/check_budgeting.json")
-    return 1 if any(r["mismatches"] for r in rows) else 0
+    return 1 if any(r["mismatches"] or r.get("llama_cpp_vectors_wrong") for r in rows) else 0
 
 
 if __name__ == "__main__":

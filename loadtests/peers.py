@@ -85,17 +85,19 @@ def sse_events(url: str, body: dict[str, Any], timeout: float = 600) -> Iterator
                 yield json.loads(line[6:])
 
 
-def stream_chat(url: str, prompt: str, max_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
-    """One greedy streamed chat completion: token count, TTFT, decode and end-to-end times."""
-    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
+def stream_chat(url: str, prompt: str, max_tokens: int, extra: dict[str, Any], completion: bool = False) -> dict[str, Any]:
+    """One greedy streamed chat completion: token count, TTFT, decode and end-to-end times
+    (``completion``: a plain completion of the prompt, for a model without a chat template)."""
+    body = {"model": "default", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **extra,
+            **({"prompt": prompt} if completion else {"messages": [{"role": "user", "content": prompt}]})}
     start = time.perf_counter()
     first = last = None
     chunks, text, usage = 0, [], None
-    for event in sse_events(url + "/v1/chat/completions", body):
+    for event in sse_events(url + ("/v1/completions" if completion else "/v1/chat/completions"), body):
         usage = event.get("usage") or usage
         for choice in event.get("choices", []):
-            piece = (choice.get("delta") or {}).get("content")
+            piece = choice.get("text") if completion else (choice.get("delta") or {}).get("content")
             if piece:
                 now = time.perf_counter()
                 first = first or now
