@@ -56,7 +56,8 @@ def real_text(chars: int) -> str:
     prompts = []
     for path in sorted(glob.glob(os.path.join(DATA, "*.jsonl"))):
         with open(path, encoding="utf-8") as f:
-            prompts += [json.loads(line)["prompt"] for line in f if line.strip()]
+            rows = [json.loads(line) for line in f if line.strip()]
+        prompts += [row["prompt"] for row in rows if isinstance(row.get("prompt"), str)]  # (schemas.jsonl has none)
     text = "\n\n".join(prompts)
     while len(text) < chars:
         text += "\n\n" + text
