@@ -8,7 +8,7 @@ PORT   ?= 8000
 # The stamp is rebuilt when the dependency list changes; otherwise `make install` is a no-op.
 STAMP  := $(VENV)/.parrot-installed
 
-.PHONY: install serve test fuzz soak bench bench-ray bench-drafter bench-grammar bench-peers bench-multiturn soak-prefix bench-tokenizer check-budgeting check-vocabs replay-grammar replay-sessions replay-tools survey-schemas clean
+.PHONY: install serve test fuzz soak bench bench-ray bench-drafter bench-grammar bench-peers numerics bench-multiturn soak-prefix bench-tokenizer check-budgeting check-vocabs replay-grammar replay-sessions replay-tools survey-schemas clean
 
 install: $(STAMP)
 
@@ -70,6 +70,14 @@ bench-grammar: install
 MODEL ?=
 bench-peers: install
 	LLAMA_SERVER=$(LLAMA_SERVER) LLAMA_BENCH=$(LLAMA_BENCH) $(PY) -m loadtests.bench_peers $(if $(MODEL),--model $(MODEL)) $(PEERS_ARGS)
+
+# Perplexity guard (docs/PERFORMANCE.md, "Perplexity"): Parrot with q8 and with float32 activations and llama.cpp's
+# llama-perplexity -c 512 on the same GGUF and text, and the KL divergence of q8 from float32:
+# make numerics [MODEL=qwen2.5-coder-1.5b|gemma-3-270m|FILE] [LLAMA_PERPLEXITY=/path/llama-perplexity] [NUMERICS_ARGS=...];
+# without LLAMA_PERPLEXITY the llama.cpp column is skipped
+NUMERICS_ARGS ?=
+numerics: install
+	LLAMA_PERPLEXITY=$(LLAMA_PERPLEXITY) $(PY) -m loadtests.perplexity $(if $(MODEL),--model $(MODEL)) $(NUMERICS_ARGS)
 
 # Multi-turn conversations and an agent loop against llama.cpp, time to first token per turn
 # (docs/PREFIX_CACHE.md): make bench-multiturn LLAMA_SERVER=/path/llama-server [MULTITURN_ARGS="--model qwen2.5-coder-1.5b"]
