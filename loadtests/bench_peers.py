@@ -154,11 +154,13 @@ def lesser(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def llama_build(binary: str) -> dict[str, Any]:
-    """What llama.cpp build ran: ``--version``, and the notes of a BUILD.txt beside the binary."""
+    """What llama.cpp build ran: ``--version``, and the notes of a BUILD.txt beside the binary (the
+    path given, which may be a symlink such as /opt/peers/llama-server, or the file it points to)."""
     done = subprocess.run([binary, "--version"], capture_output=True, text=True, env=peer_env())
-    notes = Path(binary).resolve().parent / "BUILD.txt"
+    places = (Path(binary).parent / "BUILD.txt", Path(binary).resolve().parent / "BUILD.txt")
+    notes = next((place for place in places if place.is_file()), None)
     return {"binary": binary, "version": (done.stdout + done.stderr).strip()[-600:],
-            "build_notes": notes.read_text()[:4000] if notes.is_file() else None}
+            "build_notes": notes.read_text()[:4000] if notes is not None else None}
 
 
 def main(argv: list[str] | None = None) -> int:
