@@ -439,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         per_chunk = len(targets(chunk_list[0]))
         info["paired_q8_minus_llama_cpp"] = paired(chunk_nlls(systems["parrot_q8"]["running_ppl"], per_chunk),
                                                    chunk_nlls(systems["llama_cpp"]["running_ppl"], per_chunk))
-    result = {**info, "systems": systems, "kl": scored["kl"], "parrot_seconds": parrot_seconds}
+    result = {**info, "finished": time.strftime("%Y-%m-%d %H:%M"), "systems": systems, "kl": scored["kl"],
+              "parrot_seconds": parrot_seconds}
     out_path.write_text(json.dumps(result, indent=1))
     print(render(result))
     print(f"wrote {out_path}")
@@ -458,6 +459,8 @@ def render(result: dict[str, Any]) -> str:
              + f"; {result['chunks']} chunks of {result['n_ctx']}, {result['scored']:,} tokens scored"
              + (" (BOS first in each chunk)" if tokens["add_bos"] else ""), "",
              "| system | PPL | +/- | / float32 |", "|---|---:|---:|---:|"]
+    if result.get("parrot_note"):
+        names["parrot_q8"] += f" = float32: {result['parrot']['q8']['backend']} backend"
     for key, label in names.items():
         if key in systems:
             s = systems[key]
