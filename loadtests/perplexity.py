@@ -410,7 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     # llama.cpp on the same file and text.
     llama: dict[str, Any] | None = None
     binary = args.llama_perplexity
+    info["llama_cpp_skipped"] = None if binary else "no LLAMA_PERPLEXITY given"
     if binary and not os.path.isfile(binary):
+        info["llama_cpp_skipped"] = f"no llama-perplexity at {binary}"
         print(f"llama-perplexity not found at {binary}: the llama.cpp column is skipped")
         binary = None
     if binary:
@@ -467,7 +469,7 @@ def render(result: dict[str, Any]) -> str:
             pm = f"{s['plus_minus']:.4f}" if s.get("plus_minus") is not None else "—"
             lines.append(f"| {label} | {s['ppl']:.4f} | {pm} | {s['ratio_to_float32']:.4f}x |")
     if "llama_cpp" not in systems:
-        why = ("no LLAMA_PERPLEXITY given" if result.get("llama_cpp") is None
+        why = (result.get("llama_cpp_skipped") or "no LLAMA_PERPLEXITY given" if result.get("llama_cpp") is None
                else f"llama-perplexity failed (exit {result['llama_cpp']['returncode']})")
         lines.append(f"| llama.cpp llama-perplexity | skipped: {why} | | |")
     if "llama_cpp" in systems:
