@@ -47,7 +47,73 @@ class UnsupportedTokenizer(ValueError):
     """The tokenizer is not the byte-level BPE with the smollm pre-tokenizer this library implements."""
 
 
-class ByteLevelBPE:
+class PairTables:
+    """Pair validity and the byte (or code point) tries of a BPE vocabulary: what the tables of
+    :mod:`parrot.tokenizer.bpe_tables` ask of one. A subclass sets ``vocab_size``, ``token_str``,
+    ``token_bytes``, ``radix``, ``_merges_model`` (BPE by merges alone), ``encode_bytes`` and the
+    empty caches ``_pairs``, ``_reachable``, ``_suffix_trie`` and ``_prefix_trie``."""
+
+    vocab_size: int
+    radix: int
+    token_str: list[str]
+    token_bytes: list[Any]
+    _merges_model: Any
+    _pairs: dict[int, bool]
+    _reachable: dict[TokenId, bool]
+    _suffix_trie: tuple[dict[int, int], list[TokenId]] | None
+    _prefix_trie: tuple[dict[int, int], list[TokenId]] | None
+
+    def encode_bytes(self, data: Any) -> list[TokenId]:
+        raise NotImplementedError
+
+    def valid_pair(self, left: TokenId, right: TokenId) -> bool:
+        """Whether BPE encodes the bytes of ``left`` + ``right`` as exactly these two tokens."""
+        key = left * self.vocab_size + right
+        ok = self._pairs.get(key)
+        if ok is None:
+            ids = self._merges_model.tokenize(self.token_str[left] + self.token_str[right])
+            ok = len(ids) == 2 and ids[0].id == left and ids[1].id == right
+            self._pairs[key] = ok
+        return ok
+
+    def reachable(self, token: TokenId) -> bool:
+        """Whether BPE encodes the token's own bytes as that token (else it never occurs)."""
+        ok = self._reachable.get(token)
+        if ok is None:
+            ok = self._reachable[token] = self.encode_bytes(self.token_bytes[token]) == [token]
+        return ok
+
+    def suffix_trie(self) -> tuple[dict[int, int], list[TokenId]]:
+        """Trie of reversed token symbols: ``children[node * radix + symbol]``, ``token[node]`` (-1: none)."""
+        if self._suffix_trie is None:
+            self._suffix_trie = self._build_trie(reverse=True)
+        return self._suffix_trie
+
+    def prefix_trie(self) -> tuple[dict[int, int], list[TokenId]]:
+        if self._prefix_trie is None:
+            self._prefix_trie = self._build_trie(reverse=False)
+        return self._prefix_trie
+
+    def _build_trie(self, reverse: bool) -> tuple[dict[int, int], list[TokenId]]:
+        children: dict[int, int] = {}
+        token = [-1]
+        radix = self.radix
+        for tid, data in enumerate(self.token_bytes):
+            node = 0
+            for b in reversed(data) if reverse else data:
+                key = node * radix + b
+                child = children.get(key)
+                if child is None:
+                    child = len(token)
+                    token.append(-1)
+                    children[key] = child
+                node = child
+            if data:
+                token[node] = tid
+        return children, token
+
+
+class ByteLevelBPE(PairTables):
     """Vocabulary, cached piece encoding and pair validity of one byte-level BPE tokenizer."""
 
     radix = 256  # the tables of parrot.tokenizer.bpe_tables walk bytes
@@ -62,6 +128,7 @@ class ByteLevelBPE:
         _check_supported(config)
         model = config["model"]
         self._model = backend.model
+        self._merges_model = backend.model
         self.special_tokens: dict[str, TokenId] = {t["content"]: t["id"] for t in config["added_tokens"]}
         vocab: dict[str, TokenId] = model["vocab"]
         self.vocab_size = max([*vocab.values(), *self.special_tokens.values()]) + 1
@@ -130,55 +197,6 @@ class ByteLevelBPE:
         if self._lost_re is None:
             return []
         return [m.start() for m in self._lost_re.finditer(text)]
-
-    # -- validity ---------------------------------------------------------------------------------
-
-    def valid_pair(self, left: TokenId, right: TokenId) -> bool:
-        """Whether BPE encodes the bytes of ``left`` + ``right`` as exactly these two tokens."""
-        key = left * self.vocab_size + right
-        ok = self._pairs.get(key)
-        if ok is None:
-            ids = self._model.tokenize(self.token_str[left] + self.token_str[right])
-            ok = len(ids) == 2 and ids[0].id == left and ids[1].id == right
-            self._pairs[key] = ok
-        return ok
-
-    def reachable(self, token: TokenId) -> bool:
-        """Whether BPE encodes the token's own bytes as that token (else it never occurs)."""
-        ok = self._reachable.get(token)
-        if ok is None:
-            ok = self._reachable[token] = self.encode_bytes(self.token_bytes[token]) == [token]
-        return ok
-
-    # -- tries over token bytes ----------------------------------------------------------------
-
-    def suffix_trie(self) -> tuple[dict[int, int], list[TokenId]]:
-        """Trie of reversed token bytes: ``children[node * 256 + byte]``, ``token[node]`` (-1: none)."""
-        if self._suffix_trie is None:
-            self._suffix_trie = self._build_trie(reverse=True)
-        return self._suffix_trie
-
-    def prefix_trie(self) -> tuple[dict[int, int], list[TokenId]]:
-        if self._prefix_trie is None:
-            self._prefix_trie = self._build_trie(reverse=False)
-        return self._prefix_trie
-
-    def _build_trie(self, reverse: bool) -> tuple[dict[int, int], list[TokenId]]:
-        children: dict[int, int] = {}
-        token = [-1]
-        for tid, data in enumerate(self.token_bytes):
-            node = 0
-            for b in reversed(data) if reverse else data:
-                key = node * 256 + b
-                child = children.get(key)
-                if child is None:
-                    child = len(token)
-                    token.append(-1)
-                    children[key] = child
-                node = child
-            if data:
-                token[node] = tid
-        return children, token
 
 
 def _check_supported(config: dict[str, Any]) -> None:

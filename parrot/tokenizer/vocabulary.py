@@ -24,12 +24,12 @@ import re
 from array import array
 from typing import Any
 
-from parrot.tokenizer.bpe import TokenId, UnsupportedTokenizer, _lost_characters_re, bytes_to_unicode
+from parrot.tokenizer.bpe import PairTables, TokenId, UnsupportedTokenizer, _lost_characters_re, bytes_to_unicode
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-class Vocabulary:
+class Vocabulary(PairTables):
     """Vocabulary, cached piece encoding and pair validity of one BPE tokenizer."""
 
     def __init__(self, backend: Any, cache_size: int = 200_000) -> None:
@@ -142,50 +142,6 @@ class Vocabulary:
         if not self.ignore_merges or len(data) > self.max_token_len:
             return False
         return (bytes(data) if self.radix == 256 else tuple(data)) in self._by_bytes
-
-    # -- validity (see parrot.tokenizer.bpe) ------------------------------------------------------
-
-    def valid_pair(self, left: TokenId, right: TokenId) -> bool:
-        key = left * self.vocab_size + right
-        ok = self._pairs.get(key)
-        if ok is None:
-            ids = self._merges_model.tokenize(self.token_str[left] + self.token_str[right])
-            ok = len(ids) == 2 and ids[0].id == left and ids[1].id == right
-            self._pairs[key] = ok
-        return ok
-
-    def reachable(self, token: TokenId) -> bool:
-        ok = self._reachable.get(token)
-        if ok is None:
-            ok = self._reachable[token] = self.encode_bytes(self.token_bytes[token]) == [token]
-        return ok
-
-    def suffix_trie(self) -> tuple[dict[int, int], list[TokenId]]:
-        if self._suffix_trie is None:
-            self._suffix_trie = self._build_trie(reverse=True)
-        return self._suffix_trie
-
-    def prefix_trie(self) -> tuple[dict[int, int], list[TokenId]]:
-        if self._prefix_trie is None:
-            self._prefix_trie = self._build_trie(reverse=False)
-        return self._prefix_trie
-
-    def _build_trie(self, reverse: bool) -> tuple[dict[int, int], list[TokenId]]:
-        children: dict[int, int] = {}
-        token = [-1]
-        for tid, data in enumerate(self.token_bytes):
-            node = 0
-            for b in reversed(data) if reverse else data:
-                key = node * self.radix + b
-                child = children.get(key)
-                if child is None:
-                    child = len(token)
-                    token.append(-1)
-                    children[key] = child
-                node = child
-            if data:
-                token[node] = tid
-        return children, token
 
 
 _BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}
