@@ -74,8 +74,6 @@ class Vocabulary(PairTables):
             missing = [b for b in range(256) if f"<0x{b:02X}>" not in vocab]
             if missing:
                 raise UnsupportedTokenizer(f"byte fallback lacks {len(missing)} of the 256 <0xXX> tokens")
-        # SentencePiece: characters that are a token on their own (the rest fall back to bytes).
-        self._char_token: dict[str, bool] = {}
         self._cache: dict[str, int] = {}
         self._cache_size = cache_size
         self._pairs: dict[int, bool] = {}
@@ -105,13 +103,6 @@ class Vocabulary(PairTables):
 
     def buffer(self, data: Any = ()) -> Any:
         return bytearray(data) if self.radix == 256 else array("I", data)
-
-    def has_char_token(self, ch: str) -> bool:
-        """SentencePiece: whether a character (in the model's spelling) has a token of its own."""
-        known = self._char_token.get(ch)
-        if known is None:
-            known = self._char_token[ch] = (ord(ch),) in self._by_bytes
-        return known
 
     # -- encoding ------------------------------------------------------------------------------
 
