@@ -186,6 +186,22 @@ def _quantized_rows(x: torch.Tensor, unit: int = 32) -> torch.Tensor:
     return (torch.round(units * inverse) * (top / 127.0)).reshape(x.shape)
 
 
+@pytest.mark.skipif(not {"avx512", "avx2"} <= set(available_isas()), reason="needs a CPU with AVX-512")
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+def test_avx512_k_quant_steps_in_pairs_equal_the_avx2_steps(kind):
+    # The AVX-512 build takes two steps of the packed K-quant layout per instruction (packed.h,
+    # kpairs); its integer sums are the 256-bit steps' exactly, so every output is bit for bit
+    # the avx2 build's, for one row of x (decoding) and for tiles of several (prompts).
+    blocks, _ = _random_blocks(kind, 40, 5 * 256, seed=6)
+    generator = torch.Generator().manual_seed(6)
+    for rows in (1, 2, 3, 4, 7, 9):
+        x = torch.randn(rows, 5 * 256, generator=generator) * 3
+        wide = kernels("avx512").linear(x, BlockWeight(kind, blocks.data.clone()), q8=True)
+        narrow = kernels("avx2").linear(x, BlockWeight(kind, blocks.data.clone()), q8=True)
+        assert wide.isfinite().sum() > rows * 20
+        assert torch.equal(wide.nan_to_num(), narrow.nan_to_num())
+
+
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_q8_kernels_are_exact_products_of_the_rounded_rows(isa, kind):
