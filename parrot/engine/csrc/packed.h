@@ -124,8 +124,13 @@ inline void store_group(const bytes::G* acc, float* y, int64_t ldy, int64_t vali
   }
 }
 
+// Rows of x a tile takes at a time: 4 with 16 vector registers (4 accumulators, 4 sums, the
+// weights and x's bytes), 8 with AVX-512's 32, which halves the weights' unpacking per row of x
+// (Qwen2.5-Coder-1.5B, a 512-token prompt chunk: 3.26-3.32 s against 3.58-3.68 s, Intel Xeon).
+constexpr int TILE_ROWS = simd::REGISTERS >= 32 ? 8 : 4;
+
 // One tile per group of 8 weight rows (`stride` bytes apart in `packed`), all M rows of x through
-// it 4 at a time (16 registers: 4 accumulators, 4 sums, the weights and x's bytes):
+// it TILE_ROWS at a time:
 // run(MT, group, row, n, valid) computes rows row .. row + MT - 1 against the group of outputs n ...
 template <class Run>
 Tiles group_tiles(const uint8_t* packed, int64_t stride, int64_t M, int64_t N, Run run) {
@@ -133,13 +138,10 @@ Tiles group_tiles(const uint8_t* packed, int64_t stride, int64_t M, int64_t N, R
             const uint8_t* group = packed + g * stride;
             const int64_t n = g * 8, valid = std::min<int64_t>(8, N - n);
             int64_t i = 0;
-            for (; i + 4 <= M; i += 4) run(std::integral_constant<int, 4>{}, group, i, n, valid);
-            switch (M - i) {
-              case 3: run(std::integral_constant<int, 3>{}, group, i, n, valid); break;
-              case 2: run(std::integral_constant<int, 2>{}, group, i, n, valid); break;
-              case 1: run(std::integral_constant<int, 1>{}, group, i, n, valid); break;
-              default: break;
-            }
+            for (; i + TILE_ROWS <= M; i += TILE_ROWS) run(std::integral_constant<int, TILE_ROWS>{}, group, i, n, valid);
+            [&]<int... R>(std::integer_sequence<int, R...>) {  // the last M - i < TILE_ROWS rows, one tile
+              ((M - i == R + 1 ? run(std::integral_constant<int, R + 1>{}, group, i, n, valid) : void()), ...);
+            }(std::make_integer_sequence<int, TILE_ROWS - 1>{});
           },
           (N + 7) / 8};
 }
@@ -311,11 +313,14 @@ void kpack(const W& w, int64_t N, uint8_t* out) {
 
 #if defined(PARROT_AVX512)
 // The integer sums of super-block sb of a group (at blk) with MT rows of x (xa: each row's
-// arranged bytes), two steps per instruction (simd.h's B2: step t in the low 256 bits, t + 1 in
-// the high ones). Each 16-bit lane then adds half as many steps between flushes, so a flush
-// comes every 2 FLUSH steps; fold adds the halves. The same integers as the 256-bit steps below,
-// in about half the instructions: a one-token Q4_K pass spends more time computing than
-// waiting for memory (Intel Xeon: 32 GB/s of packed weights from L2 on one core, 14 from memory).
+// arranged bytes), two steps per instruction (simd.h's B2: the two steps' vectors interleaved by
+// row, once per load for all MT rows, and x's bytes of both steps one 64-bit broadcast). Each
+// 16-bit lane adds half as many steps between flushes, so a flush comes every 2 FLUSH steps; fold
+// adds each row's two lanes. The same integers as the 256-bit steps below, in about half the
+// instructions: a one-token Q4_K pass spent more time computing than waiting for memory (Intel
+// Xeon: 32 GB/s of packed weights from L2 on one core, 14 from memory). Qwen2.5-Coder-1.5B,
+// interleaved A/B: one-token pass 50.0-50.3 -> 44.1-45.5 ms; a 512-token chunk 4.06-4.07 s with
+// x broadcast per row, 3.58-3.68 s with the weights interleaved instead.
 template <int MT, class P>
 inline void kpairs(const uint8_t* blk, const int8_t* const* xa, int64_t sb, bytes::S* total) {
   using namespace bytes;
@@ -325,22 +330,22 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, int64_t sb, byte
   for (int b = 0; b < P::NB; ++b) {
     const H2 scale = hsigned2(blk + P::SC_AT + 16 * b);
     const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
+    const int8_t* xb[MT];
+    for (int i = 0; i < MT; ++i) xb[i] = xa[i] + sb * 256 + b * 2 * P::G;
     H2 part[MT];
     for (int i = 0; i < MT; ++i) part[i] = hzero2();
-    [&]<int... K>(std::integer_sequence<int, K...>) {
-      ([&] {
-        constexpr int t = 2 * K;  // steps t, t + 1: both low nibbles or both high, in adjacent vectors
-        B2 wt = bits2(load2(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
-        if constexpr (P::VB == 5) wt = bor2(wt, fifth2<t % 8>(v + P::LOW + 32 * (t / 8)));
-        if constexpr (P::VB == 6) wt = bor2(wt, sixth2<t % 4>(v + P::LOW + 32 * (t / 4)));
-        for (int i = 0; i < MT; ++i) {
-          part[i] = hplus2(part[i], pdot16x2(wt, bcast8(xa[i] + sb * 256 + b * 2 * P::G + 4 * t)));
-          hpin2(part[i]);
-        }
-        if constexpr ((t + 2) % (2 * P::FLUSH) == 0)
-          for (int i = 0; i < MT; ++i) { sums[i] = sadd2(sums[i], hdot2(part[i], scale)); part[i] = hzero2(); }
-      }(), ...);
-    }(std::make_integer_sequence<int, P::S / 2>{});
+#pragma GCC unroll 8
+    for (int t = 0; t < P::S; t += 2) {  // steps t, t + 1: both low nibbles or both high, in adjacent vectors
+      B2 wt = bits2(pairs2(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
+      if constexpr (P::VB == 5) wt = bor2(wt, fifth2(plane2(v + P::LOW + 32 * (t / 8)), t % 8));
+      if constexpr (P::VB == 6) wt = bor2(wt, sixth2(plane2(v + P::LOW + 32 * (t / 4)), t % 4));
+      for (int i = 0; i < MT; ++i) {
+        part[i] = hplus2(part[i], pdot16x2(wt, bcast8(xb[i] + 4 * t)));
+        hpin2(part[i]);
+      }
+      if ((t + 2) % (2 * P::FLUSH) == 0)
+        for (int i = 0; i < MT; ++i) { sums[i] = sadd2(sums[i], hdot2(part[i], scale)); part[i] = hzero2(); }
+    }
   }
   for (int i = 0; i < MT; ++i) total[i] = fold(sums[i]);
 }

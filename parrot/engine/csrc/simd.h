@@ -351,51 +351,60 @@ inline void ghsum4(G a, G b, G c, G d, float* out) {
 }
 
 #if defined(PARROT_AVX512)
-// Two steps of the packed K-quant layout in one 512-bit vector (the AVX-512 build's one-row
-// tiles, packed.h): step t in the low 256 bits, step t + 1 in the high ones, each exactly as the
-// 256-bit step. Their 16-bit sums meet only when folded to int32 (fold), and integer sums do not
-// depend on their order: the results are those of the 256-bit steps, bit for bit.
+// Two steps of the packed K-quant layout in one 512-bit vector (the AVX-512 build's tiles,
+// packed.h's kpairs), interleaved by row: 32-bit lane 2r holds row r's 4 bytes of step t, lane
+// 2r + 1 those of step t + 1. The weights' two step vectors (32 bytes apart) are interleaved once
+// per load (pairs2), shared by every row of x of a tile; x's 4 bytes of both steps are then one
+// 64-bit broadcast from memory (bcast8). The 16-bit sums of the two steps meet only when folded
+// to int32 (fold), and integer sums do not depend on their order: the results are those of the
+// 256-bit steps, bit for bit.
 struct B2 { __m512i v; };
 struct H2 { __m512i v; };
 struct S2 { __m512i v; };
-inline B2 load2(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }  // two step vectors, 32 bytes apart
+inline __m512i by_row_pairs() { return _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15); }
+inline __m512i rows_twice() { return _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7); }
+// The step vectors at p and p + 32, interleaved by row.
+inline B2 pairs2(const uint8_t* p) { return {_mm512_permutexvar_epi32(by_row_pairs(), _mm512_loadu_si512(p))}; }
 inline B2 bits2(B2 a, int shift, int mask) {
   return {_mm512_and_si512(_mm512_srli_epi16(a.v, (unsigned)shift), _mm512_set1_epi8((char)mask))};
 }
 inline B2 bor2(B2 a, B2 b) { return {_mm512_or_si512(a.v, b.v)}; }
-// x's 4 bytes of step t in every 32-bit lane of the low half, those of step t + 1 in the high half.
-inline B2 bcast8(const int8_t* p) {
-  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  return {_mm512_permutexvar_epi32(halves, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)p)))};
+inline B2 bcast8(const int8_t* p) { int64_t v; std::memcpy(&v, p, 8); return {_mm512_set1_epi64(v)}; }  // x's bytes of steps t, t + 1
+// A 32-byte high-bit plane, each row's 4 bytes twice (for steps t and t + 1).
+inline B2 plane2(const uint8_t* p) {
+  return {_mm512_permutexvar_epi32(rows_twice(), _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p)))};
 }
-// 32 bytes of high-bit planes in both halves, each half shifted left by its own count (a
-// negative count shifts right), then masked: the 5th (fifth2) or 5th and 6th (sixth2) bits of
-// two steps. Shifts are by 16-bit lanes; the mask keeps only bits that came from their own byte.
-template <int Low, int High>
-inline __m512i shifted2(const uint8_t* p) {
-  const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)p));
-  const auto counts = [](int low, int high) {
-    return _mm512_inserti64x4(_mm512_set1_epi16((short)low), _mm256_set1_epi16((short)high), 1);
-  };
-  __m512i out = h;
-  if constexpr (Low > 0 || High > 0) out = _mm512_sllv_epi16(out, counts(Low > 0 ? Low : 0, High > 0 ? High : 0));
-  if constexpr (Low < 0 || High < 0) out = _mm512_srlv_epi16(out, counts(Low < 0 ? -Low : 0, High < 0 ? -High : 0));
+// Each row's even 32-bit lane shifted left by `even`, its odd lane by `odd` (negative: right),
+// then masked: the 5th (fifth2) or 5th and 6th (sixth2) bits of two steps. Shifts are by 16-bit
+// lanes; the mask keeps only bits that came from their own byte. The counts are constants once
+// the callers' loops are unrolled.
+inline __m512i shifted2(B2 h, int even, int odd) {
+  const auto counts = [](int a, int b) { return _mm512_set_epi16(b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a); };
+  __m512i out = h.v;
+  if (even > 0 || odd > 0) out = _mm512_sllv_epi16(out, counts(even > 0 ? even : 0, odd > 0 ? odd : 0));
+  if (even < 0 || odd < 0) out = _mm512_srlv_epi16(out, counts(even < 0 ? -even : 0, odd < 0 ? -odd : 0));
   return out;
 }
-template <int T>  // bits T, T + 1 of each byte, to bit 4
-inline B2 fifth2(const uint8_t* p) { return {_mm512_and_si512(shifted2<4 - T, 3 - T>(p), _mm512_set1_epi8(16))}; }
-template <int Sx>  // bits 2 Sx, 2 Sx + 1 (low half) and 2 Sx + 2, 2 Sx + 3 (high half), to bits 4, 5
-inline B2 sixth2(const uint8_t* p) { return {_mm512_and_si512(shifted2<4 - 2 * Sx, 2 - 2 * Sx>(p), _mm512_set1_epi8(0x30))}; }
+// Bits t, t + 1 of each byte, to bit 4.
+inline B2 fifth2(B2 h, int t) { return {_mm512_and_si512(shifted2(h, 4 - t, 3 - t), _mm512_set1_epi8(16))}; }
+// Bits 2 s, 2 s + 1 (step t) and 2 s + 2, 2 s + 3 (step t + 1), to bits 4, 5.
+inline B2 sixth2(B2 h, int s) { return {_mm512_and_si512(shifted2(h, 4 - 2 * s, 2 - 2 * s), _mm512_set1_epi8(0x30))}; }
 inline H2 pdot16x2(B2 u, B2 x) { return {_mm512_maddubs_epi16(u.v, x.v)}; }
 inline H2 hplus2(H2 a, H2 b) { return {_mm512_add_epi16(a.v, b.v)}; }
 inline H2 hzero2() { return {_mm512_setzero_si512()}; }
 inline void hpin2(H2& a) { asm("" : "+v"(a.v)); }
-// 16 signed bytes (a block's scales) as int16, in both halves.
-inline H2 hsigned2(const uint8_t* p) { return {_mm512_cvtepi8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p)))}; }
+// 16 signed bytes (a block's scales, row r's two at 2r) as int16, each row's pair twice.
+inline H2 hsigned2(const uint8_t* p) {
+  return {_mm512_permutexvar_epi32(rows_twice(), _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p))))};
+}
 inline S2 hdot2(H2 a, H2 b) { return {_mm512_madd_epi16(a.v, b.v)}; }
 inline S2 sadd2(S2 a, S2 b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline S2 szero2() { return {_mm512_setzero_si512()}; }
-inline S fold(S2 a) { return {_mm256_add_epi32(_mm512_castsi512_si256(a.v), _mm512_extracti64x4_epi64(a.v, 1))}; }
+// Row r's sum: lanes 2r + 2r + 1.
+inline S fold(S2 a) {
+  const __m512i sums = _mm512_add_epi32(a.v, _mm512_shuffle_epi32(a.v, _MM_PERM_CDAB));
+  return {_mm512_castsi512_si256(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0), sums))};
+}
 #endif
 
 // 32 floats -> 32 bytes q = round(x scale) (to nearest, ties to even: MXCSR's default) and their
