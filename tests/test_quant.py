@@ -186,17 +186,22 @@ def _quantized_rows(x: torch.Tensor, unit: int = 32) -> torch.Tensor:
     return (torch.round(units * inverse) * (top / 127.0)).reshape(x.shape)
 
 
-@pytest.mark.skipif(not {"avx512", "avx2"} <= set(available_isas()), reason="needs a CPU with AVX-512")
+@pytest.mark.parametrize("isa", [isa for isa in ("avx512", "amx") if isa in available_isas()] or
+                         [pytest.param("avx512", marks=pytest.mark.skip(reason="needs a CPU with AVX-512"))])
 @pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
-def test_avx512_k_quant_steps_in_pairs_equal_the_avx2_steps(kind):
+def test_wide_k_quant_kernels_equal_the_avx2_steps(isa, kind):
     # The AVX-512 build takes two steps of the packed K-quant layout per instruction (packed.h,
-    # kpairs); its integer sums are the 256-bit steps' exactly, so every output is bit for bit
-    # the avx2 build's, for one row of x (decoding) and for tiles of several (prompts).
+    # kpairs), and the amx set runs Q4_K and Q5_K layers over 16 or more rows on AMX tiles with
+    # the scales folded into the weights (amx.h). Both sum the same integers as the avx2 steps,
+    # so every output is bit for bit the avx2 build's: one row of x (decoding), tiles of several,
+    # and (amx) whole and partial tiles of 16 rows, with 8-row groups of weights not filling one.
+    if isa == "amx" and not kernels("amx").amx_ready:
+        pytest.skip("the OS did not grant the AMX tile registers")
     blocks, _ = _random_blocks(kind, 40, 5 * 256, seed=6)
     generator = torch.Generator().manual_seed(6)
-    for rows in (1, 2, 3, 4, 7, 9):
+    for rows in (1, 2, 3, 4, 7, 9, 16, 17, 40):
         x = torch.randn(rows, 5 * 256, generator=generator) * 3
-        wide = kernels("avx512").linear(x, BlockWeight(kind, blocks.data.clone()), q8=True)
+        wide = kernels(isa).linear(x, BlockWeight(kind, blocks.data.clone()), q8=True)
         narrow = kernels("avx2").linear(x, BlockWeight(kind, blocks.data.clone()), q8=True)
         assert wide.isfinite().sum() > rows * 20
         assert torch.equal(wide.nan_to_num(), narrow.nan_to_num())

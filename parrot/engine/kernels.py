@@ -42,9 +42,11 @@ log = logging.getLogger("parrot.engine")
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # The compiled file first; every file here is hashed into the library's cache key.
 SOURCES = [os.path.join(_CSRC, name) for name in (
-    "kernels.cpp", "formats.h", "tiles.h", "packed.h", "linear.h", "attention.h", "model.h", "simd.h", "pool.h")]
+    "kernels.cpp", "formats.h", "tiles.h", "packed.h", "amx.h", "linear.h", "attention.h", "model.h", "simd.h", "pool.h")]
 # Instruction sets, best first: compiler flags and the /proc/cpuinfo flags they need.
 ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "amx": (["-DPARROT_AVX512", "-DPARROT_AMX", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c", "-mamx-tile", "-mamx-int8"],
+            ("avx512f", "avx512bw", "fma", "f16c", "amx_tile", "amx_int8")),
     "avx512": (["-DPARROT_AVX512", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c"], ("avx512f", "avx512bw", "fma", "f16c")),
     "avx2": (["-DPARROT_AVX2", "-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
     "portable": ([], ()),
@@ -160,6 +162,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.parrot_packed_bytes.restype = ctypes.c_int64
     lib.parrot_pack.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p]
     lib.parrot_isa.restype = ctypes.c_char_p
+    lib.parrot_amx_ready.restype = ctypes.c_int
     lib.parrot_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.parrot_read.restype = ctypes.c_float
 
@@ -189,6 +192,12 @@ class Kernels:
             raise FormatTableMismatch(
                 f"the {isa} kernel library's block formats are not quant.FORMATS (library only: "
                 f"{sorted(theirs - ours)}; Python only: {sorted(ours - theirs)}; or in another order)")
+
+    @property
+    def amx_ready(self) -> bool:
+        """Whether K-quant layers over 16 or more rows run on AMX tiles (the amx set, when the OS
+        grants the tile registers; csrc/amx.h)."""
+        return bool(self._lib.parrot_amx_ready())
 
     @staticmethod
     def threads() -> int:

@@ -78,9 +78,13 @@ SLIDING = "sliding_attention"
 SMALL_ROWS = 32
 # Where the whole pass is compiled, every row goes through it (a row's arithmetic must not depend
 # on how its prompt was chunked: with 8-bit activations GEMM rows differ by ~1 logit), longer
-# chunks in pieces of PIECE rows per sequence (bounding the attention kernel's scratch, which
-# grows with rows x context).
+# chunks in pieces of PIECE rows per sequence: the vector tiles keep a piece's x in L2 while
+# they stream the weights (Qwen2.5-Coder-1.5B, a 512-token chunk on AVX-512: 3.37-3.41 s in
+# pieces of 64, 3.66-3.74 s in one). The amx kernel set (csrc/amx.h) expands each weight block
+# once per call and passes every row through it, so it takes the whole chunk (2.65-2.67 s
+# against 3.57-3.59 s in pieces of 64). The attention kernel bounds its own scratch (64 rows a call).
 PIECE = 64
+PIECE_BY_KERNELS = {"amx": 512}
 
 
 def activation(config: Any) -> str:
@@ -605,7 +609,7 @@ class LlamaForward:
 
         Each entry is ``(cache, tokens, num_logits)``. The caches grow by ``len(tokens)``.
         Returns one ``[num_logits, vocab]`` float tensor per entry. Where the model has the
-        compiled pass, every sequence goes through it (more than PIECE tokens in pieces);
+        compiled pass, every sequence goes through it (longer ones in pieces: PIECE);
         otherwise through torch, few-token sequences on the block and attention kernels. Either
         way a sequence's result depends only on its own tokens.
         """
@@ -614,13 +618,14 @@ class LlamaForward:
             return self._torch_forward(batch)
         # Pieces of at most PIECE tokens per sequence, one compiled pass per round of pieces;
         # each piece asks for the logits of its rows among the sequence's last num_logits.
+        piece = PIECE_BY_KERNELS.get(self.kernels.isa, PIECE) if self.kernels is not None else PIECE
         done = [0] * len(batch)
         results: list[list[torch.Tensor]] = [[] for _ in batch]
         while True:
             round_: list[tuple[int, Sequence[int], int]] = []
             for i, (_, tokens, num_logits) in enumerate(batch):
                 if done[i] < len(tokens):
-                    start, end = done[i], min(done[i] + PIECE, len(tokens))
+                    start, end = done[i], min(done[i] + piece, len(tokens))
                     round_.append((i, tokens[start:end], end - max(start, min(end, len(tokens) - num_logits))))
                     done[i] = end
             if not round_:

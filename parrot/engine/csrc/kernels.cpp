@@ -4,12 +4,13 @@
 //   formats.h    the block formats: each one's layout, and the table they are dispatched from
 //   tiles.h      linear layers, float path: blocks expanded to float32 in registers
 //   packed.h     linear layers, 8-bit path: packed copies of the weights, integer sums
+//   amx.h        the same for K-quant prompt layers on AMX tiles (the amx set only)
 //   linear.h     a layer of parts in any formats, in one parallel job
 //   attention.h  attention over the KV cache
 //   model.h      the whole decoding pass
 //   simd.h       the vectors of each instruction set; pool.h the threads
 //
-// Compiled once per instruction set (simd.h: AVX-512, AVX2 + FMA, portable), as one translation
+// Compiled once per instruction set (simd.h: AVX-512 with or without AMX, AVX2 + FMA, portable), as one translation
 // unit, into a plain shared library with a C interface, loaded by parrot/engine/kernels.py with
 // ctypes.
 //
@@ -71,6 +72,15 @@ void parrot_forward(const Model* md, int64_t num_seqs, const Seq* seqs, const in
 }
 
 const char* parrot_isa() { return ISA; }
+
+// Whether this library runs prompt layers on AMX tiles (the amx set, when Linux grants them).
+int parrot_amx_ready() {
+#if defined(PARROT_AMX)
+  return amx_ready() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 
 // Reads `bytes` of `data` (split between `threads` threads, as a decoding pass reads its
 // weights) `repeats` times; returns a sum so that the reads cannot be optimised away.

@@ -5,6 +5,7 @@
 
 #pragma once
 
+#include "amx.h"
 #include "packed.h"
 #include "pool.h"
 
@@ -36,7 +37,13 @@ template <class W>
 Tiles linear_part(const W& w, const uint8_t* packed, const float* x, const XU* xu, const XK* xk, int64_t M,
                   float* y, int64_t N, int64_t ldy) {
   if constexpr (W::SUPER) {
-    if (packed != nullptr && xk != nullptr && xk->supers == w.K / 256) return linear_kpacked(w, packed, *xk, M, y, N, ldy);
+    if (packed != nullptr && xk != nullptr && xk->supers == w.K / 256) {
+#if defined(PARROT_AMX)
+      if constexpr (AMX_FOLDS<W>)
+        if (M >= AMX_ROWS && amx_ready()) return linear_amx(w, packed, *xk, M, y, N, ldy);
+#endif
+      return linear_kpacked(w, packed, *xk, M, y, N, ldy);
+    }
   } else if constexpr (W::INTEGER) {
     if (packed != nullptr && xu != nullptr && xu->K == w.K) return linear_packed(w, packed, *xu, M, y, N, ldy);
   }

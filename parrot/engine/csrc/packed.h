@@ -226,6 +226,9 @@ struct XK {
     }
   }
   const int8_t* arranged(int G) const { return G == 16 ? q16.data() : q32.data(); }
+  // The AMX kernel set's layout of q and of the group sums (amx.h), made by its first layer part.
+  mutable std::vector<int8_t> amx_tiles;
+  mutable std::vector<int32_t> amx_pairs;
 
  private:
   static void arrange(const int8_t* in, int G, int8_t* out) {

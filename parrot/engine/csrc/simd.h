@@ -26,7 +26,11 @@ namespace simd {
 
 constexpr int L = 16;
 constexpr int REGISTERS = 32;
+#if defined(PARROT_AMX)
+constexpr const char* ISA = "amx";  // the AVX-512 vectors, and packed K-quant layers over many rows on AMX (amx.h)
+#else
 constexpr const char* ISA = "avx512";
+#endif
 struct F { __m512 v; };
 inline F zero() { return {_mm512_setzero_ps()}; }
 inline F set1(float a) { return {_mm512_set1_ps(a)}; }
