@@ -118,6 +118,8 @@ def pass_costs(gguf: str, depths: list[int], sizes: list[int], steps: int = 16) 
             cache.crop(depth)
         passes[n] = sorted(times)[len(times) // 2] * 1e3
     report = loaded.pass_report(depth) if loaded.pass_report is not None else {}
+    if report:  # the floor at every depth: its bytes at the bandwidth measured above
+        report["floor_ms_by_depth"] = {d: 1e3 * loaded.pass_report(d)["bytes_per_pass"] / report["bandwidth"] for d in depths}
     return {"decode_ms": decode, "pass_ms": passes, **report}
 
 
@@ -339,11 +341,15 @@ def render(result: dict[str, Any]) -> str:
                 lines.append(f"{mine} vs {peer}, open chat decode: {ours / theirs:.2f}x")
     costs = result["pass_costs"]
     parrot, llama = costs["parrot"], costs["llama_cpp"]
-    lines += ["", "Cost of one decoded token by context depth (ms; decode loops on both sides)", "",
-              "| depth | Parrot | llama.cpp | Parrot / llama.cpp |", "|---:|---:|---:|---:|"]
+    lines += ["", "Cost of one decoded token by context depth (ms; decode loops on both sides; Parrot's floor: the",
+              "bytes its pass reads at that depth over the bandwidth measured with it)", "",
+              "| depth | Parrot | llama.cpp | Parrot / llama.cpp | Parrot's floor | Parrot / floor |",
+              "|---:|---:|---:|---:|---:|---:|"]
     for depth, ms in parrot["decode_ms"].items():
         theirs = llama.get("decode_ms", {}).get(depth) if llama else None
-        lines.append(f"| {depth} | {fmt(ms)} | {fmt(theirs)} | {fmt(ms / theirs if ms and theirs else None, 2)} |")
+        floor = parrot.get("floor_ms_by_depth", {}).get(depth, parrot.get("floor_ms_by_depth", {}).get(int(depth)))
+        lines.append(f"| {depth} | {fmt(ms)} | {fmt(theirs)} | {fmt(ms / theirs if ms and theirs else None, 2)} | "
+                     f"{fmt(floor)} | {fmt(ms / floor if ms and floor else None, 2)} |")
     first = result["depths"][0]
     lines += ["", f"Passes that verify drafts, at {first} tokens of context (ms)", "",
               "| tokens | Parrot | vs Parrot's 1 token | llama.cpp | vs llama.cpp's 1 token | Parrot / llama.cpp |",
