@@ -68,6 +68,22 @@ def test_sliding_window_attention_equals_float64_windowed_attention(isa, dim, he
 
 
 @each_isa
+@pytest.mark.parametrize("window", [0, 200])
+def test_more_rows_than_one_attention_piece_equal_the_reference_and_their_rows_alone(isa, window):
+    # The kernel takes 64 rows at a time (csrc/attention.h, ATTENTION_ROWS): 150 rows are three
+    # pieces, the last partial. Each row equals the float64 reference, and bit for bit the same
+    # row computed in a call of its own.
+    k, v = _cache(2, 640, 64, seed=5)
+    q = torch.randn(150, 4, 64, generator=torch.Generator().manual_seed(5)) * 2
+    end = 620
+    out = kernels(isa).attention(q, k, v, end, 64**-0.5, window)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, end, window), atol=1e-5, rtol=1e-5)
+    for row in (0, 63, 64, 100, 149):
+        alone = kernels(isa).attention(q[row : row + 1], k, v, end - 149 + row, 64**-0.5, window)
+        assert torch.equal(alone[0], out[row])
+
+
+@each_isa
 def test_a_rows_windowed_result_does_not_depend_on_the_rest_of_the_pass(isa):
     # Rows of one pass see different windows (and the pass visits chunks some rows do not see).
     k, v = _cache(1, 1024, 256, seed=1)

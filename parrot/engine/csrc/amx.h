@@ -51,7 +51,8 @@ struct alignas(64) TileConfig {
 };
 
 // tmm0-3: 16 x 16 int32 sums (high and low, for two tiles of x); tmm4, 5: 16 weight rows x 64
-// bytes (high, low); tmm6, 7: x, 16 rows x 64 bytes. Loaded at the start of every job (the calling thread may have run other tile code since).
+// bytes (high, low); tmm6, 7: x, 16 rows x 64 bytes. Loaded at the start of every job (the
+// calling thread may have run other tile code since).
 inline void configure_tiles() {
   TileConfig c{};
   c.palette = 1;
@@ -83,23 +84,21 @@ inline std::vector<int8_t> x_tiles(const XK& x, int64_t M) {
 // The scale folded into the weights: weight value q of a group with integer scale s gives
 // (s >> SPLIT) q and (s & (2^SPLIT - 1)) q, both bytes (Q4_K: q <= 15, digits <= 3 and <= 15;
 // Q5_K: q <= 31, digits <= 7), so that a super-block's sum over all groups is
-// 2^SPLIT (high products) + (low products): the integer packed.h sums group by group. The
-// mins' term, sum over groups of min times x's group sum, is the product of x with the
-// weights' mins spread over their groups (bytes <= 63). Three A tiles per 64 bytes along K.
-// Bytes of one kind (high, low, mins) of a super-block's A tiles: 4 tiles of 16 rows x 64 bytes.
+// 2^SPLIT (high products) + (low products): the integer packed.h sums group by group. Two A
+// tiles per 64 bytes along K.
+// Bytes of one kind (high or low) of a super-block's A tiles: 4 tiles of 16 rows x 64 bytes.
 constexpr int64_t KIND_BYTES = 4 * AMX_ROWS * 64;
 
 template <class W>
 constexpr int SPLIT = KLayout<W>::VB <= 4 ? 4 : 3;
 
 // Weight rows n0 .. n0 + 15 (packed groups n0 / 8 and n0 / 8 + 1; rows past N are 0), per
-// super-block: for high, low and mins in turn, 4 A tiles of 16 rows x 64 bytes.
+// super-block: for high and low in turn, 4 A tiles of 16 rows x 64 bytes (every byte written).
 template <class W>
 void weight_tiles(const uint8_t* packed, int64_t supers, int64_t groups8, int64_t g8, uint8_t* out) {
   using P = KLayout<W>;
   constexpr int G = P::G;
   constexpr int64_t SB_BYTES = 2 * KIND_BYTES;
-  std::memset(out, 0, supers * SB_BYTES);
   alignas(64) uint8_t q[AMX_ROWS][256];
   for (int64_t sb = 0; sb < supers; ++sb) {
     std::memset(q, 0, sizeof q);
@@ -118,9 +117,7 @@ void weight_tiles(const uint8_t* packed, int64_t supers, int64_t groups8, int64_
             for (int h = 0; h < 2; ++h) std::memcpy(&q[8 * half + r][(2 * b + h) * G + 2 * t], &words[2 * r + h], 2);
         }
         for (int r = 0; r < 8; ++r)
-          for (int h = 0; h < 2; ++h) {
-            scale[8 * half + r][2 * b + h] = blk[P::SC_AT + 16 * b + 2 * r + h];
-          }
+          for (int h = 0; h < 2; ++h) scale[8 * half + r][2 * b + h] = blk[P::SC_AT + 16 * b + 2 * r + h];
       }
     }
     uint8_t* o = out + sb * SB_BYTES;

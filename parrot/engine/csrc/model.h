@@ -61,9 +61,6 @@ struct Seq {
 
 namespace {
 
-// Rows of one sequence per call of the attention kernel (see forward).
-constexpr int64_t ATTENTION_ROWS = 64;
-
 // transformers' LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)), the sum of squares in a fixed order.
 void rms_norm(const float* x, const float* weight, int64_t rows, int64_t H, float eps, float* out) {
   for (int64_t i = 0; i < rows; ++i) {
@@ -170,22 +167,17 @@ void forward(const Model* md, int64_t num_seqs, const Seq* seqs, const int64_t* 
           }
         }
       }
-      // The attention kernel reads q as [n, heads, D]: gather this sequence's q rows. Rows go
-      // through it ATTENTION_ROWS at a time, each piece over the positions up to its last row:
-      // its scratch grows with rows x context, and a row's result does not depend on its piece.
-      for (int64_t t0 = 0; t0 < seq.n; t0 += ATTENTION_ROWS) {
-        const int64_t n = std::min(ATTENTION_ROWS, seq.n - t0);
-        std::vector<float> q(n * q_width);
-        for (int64_t t = 0; t < n; ++t) std::memcpy(&q[t * q_width], &qkv[(row + t0 + t) * qkv_width], q_width * sizeof(float));
-        if (md->kv16)
-          attention(q.data(), n, heads, D, static_cast<const uint16_t*>(seq.k) + cache_layer,
-                    static_cast<const uint16_t*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + t0 + n, layer.window, md->scale,
-                    &att[(row + t0) * q_width], md->threads);
-        else
-          attention(q.data(), n, heads, D, static_cast<const float*>(seq.k) + cache_layer,
-                    static_cast<const float*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + t0 + n, layer.window, md->scale,
-                    &att[(row + t0) * q_width], md->threads);
-      }
+      // The attention kernel reads q as [n, heads, D]: gather this sequence's q rows.
+      std::vector<float> q(seq.n * q_width);
+      for (int64_t t = 0; t < seq.n; ++t) std::memcpy(&q[t * q_width], &qkv[(row + t) * qkv_width], q_width * sizeof(float));
+      if (md->kv16)
+        attention(q.data(), seq.n, heads, D, static_cast<const uint16_t*>(seq.k) + cache_layer,
+                  static_cast<const uint16_t*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + seq.n, layer.window, md->scale,
+                  &att[row * q_width], md->threads);
+      else
+        attention(q.data(), seq.n, heads, D, static_cast<const float*>(seq.k) + cache_layer,
+                  static_cast<const float*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + seq.n, layer.window, md->scale,
+                  &att[row * q_width], md->threads);
       row += seq.n;
     }
     linear(&layer.o, att.data(), M, tmp.data(), md->threads, md->q8);
