@@ -79,10 +79,11 @@ SMALL_ROWS = 32
 # Where the whole pass is compiled, every row goes through it (a row's arithmetic must not depend
 # on how its prompt was chunked: with 8-bit activations GEMM rows differ by ~1 logit), longer
 # chunks in pieces of PIECE rows per sequence: the vector tiles keep a piece's x in L2 while
-# they stream the weights (Qwen2.5-Coder-1.5B, a 512-token chunk on AVX-512: 3.37-3.41 s in
-# pieces of 64, 3.66-3.74 s in one). The amx kernel set (csrc/amx.h) expands each weight block
-# once per call and passes every row through it, so it takes the whole chunk (2.65-2.67 s
-# against 3.57-3.59 s in pieces of 64). The attention kernel bounds its own scratch (64 rows a call).
+# they stream the weights (Qwen2.5-Coder-1.5B, a 512-token chunk on AVX-512, Intel Xeon:
+# 3.24-3.35 s in pieces of 64, 3.41-3.54 s in one). The amx kernel set (csrc/amx.h) expands each
+# weight block once per call and passes every row through it, so it takes the whole chunk
+# (2.07-2.12 s; pieces of 256: 2.19-2.31 s, of 128: 2.30-2.39 s). The attention kernel bounds its
+# own scratch (64 rows a call).
 PIECE = 64
 PIECE_BY_KERNELS = {"amx": 512}
 

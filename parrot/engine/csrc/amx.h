@@ -5,8 +5,8 @@
 // Why: a prompt chunk is bound by the multiplications. packed.h's AVX-512 tiles reach about 34
 // byte multiply-adds per cycle per core; one tile instruction (TDPBUSD) multiplies 16 weight rows
 // x 64 unsigned bytes by 64 x 16 signed bytes of x into 16 x 16 int32 sums (3.5 TMAC/s per core
-// measured alone, Intel Xeon). Qwen2.5-Coder-1.5B's Q4_K layers at 512 rows: 1.5x the AVX-512
-// tiles' speed; a 512-token chunk 2.65-2.67 s against 3.37-3.41 s.
+// measured alone, Intel Xeon). Qwen2.5-Coder-1.5B's Q4_K layers at 512 rows: 2x the AVX-512
+// tiles' speed; a 512-token chunk 2.06-2.18 s against 3.24-3.35 s.
 //
 // The same integers, bit for bit. A group of 32 weights shares an integer scale s (6 bits), so
 // a tile instruction over 64 bytes would mix two scales; instead s is folded into the weights:
@@ -19,9 +19,20 @@
 // path or the tile (tests/test_quant.py checks every output against the avx2 build).
 //
 // Work: one job per 16 weight rows (two of packed.h's groups of 8). Its weights are expanded once
-// from the packed copy into the a q and b q bytes (A tiles), then every row of x passes through
-// them, two tiles of 16 rows at a time (8 tile registers: 4 sums, 2 weights, 2 x); x is laid out
-// once per layer as B tiles (16 rows of 16 x 4 bytes: VNNI order), with its group sums.
+// from the packed copy into the a q and b q bytes (A tiles) with the rows' d, dmin and mins laid
+// out for broadcasts, then every row of x passes through them, two tiles of 16 rows at a time (8
+// tile registers: 4 sums, 2 weights, 2 x); x is laid out once per layer as B tiles (16 rows of
+// 16 x 4 bytes: VNNI order), with its group sums (amx_layout, on all threads).
+//
+// Where the time went (perf, a 512-token chunk of Qwen2.5-Coder-1.5B, Intel Xeon): the first
+// version spent 35% of its Q4_K time scaling each super-block's sums (the epilogue) with scalar
+// float16 conversions and mins rebuilt per row, 10% expanding weights with 2-byte copies, and
+// quantised x on one thread. Now: d, dmin and the mins are floats and int32 pairs made with the
+// weights, the mins' term is 4 `vpdpwssd`, the expansion gathers word pairs, and super-block
+// sb + 1's tile instructions are issued before sb's epilogue (two buffers of sums), so the tile
+// unit and the vector units overlap. Chunk 2.65-2.67 -> 2.06-2.18 s. What is left is the tile
+// loop itself (16 tile loads and 4 stores per 16 TDPBUSD, at about a fifth of their peak) and the
+// Q6_K layers, which stay on packed.h (half the down projections of a Q4_K_M file).
 
 #pragma once
 
@@ -67,20 +78,6 @@ constexpr int64_t AMX_ROWS = 16;  // rows of x (and of weights) per tile
 template <class W>
 constexpr bool AMX_FOLDS = W::SUPER && W::MIN && W::SHIFT == 0 && KLayout<W>::VB <= 5;
 
-// x's bytes (XK::q, [M, K]) as B tiles: for each 16 rows of x and 64 bytes along K, 16 rows of
-// 16 x 4 bytes (row of x n's bytes 4k .. 4k + 3 of the 64 at 64 k + 4 n); rows past M are 0.
-inline std::vector<int8_t> x_tiles(const XK& x, int64_t M) {
-  const int64_t K = x.supers * 256, tiles = (M + AMX_ROWS - 1) / AMX_ROWS;
-  std::vector<int8_t> out(tiles * AMX_ROWS * K, 0);
-  for (int64_t n = 0; n < M; ++n) {
-    const int8_t* q = &x.q[n * K];
-    int8_t* tile = &out[(n / AMX_ROWS) * AMX_ROWS * K + (n % AMX_ROWS) * 4];
-    for (int64_t c = 0; c < K / 64; ++c)
-      for (int k = 0; k < 64; k += 4) std::memcpy(tile + c * 64 * AMX_ROWS + k * 16, q + c * 64 + k, 4);
-  }
-  return out;
-}
-
 // The scale folded into the weights: weight value q of a group with integer scale s gives
 // (s >> SPLIT) q and (s & (2^SPLIT - 1)) q, both bytes (Q4_K: q <= 15, digits <= 3 and <= 15;
 // Q5_K: q <= 31, digits <= 7), so that a super-block's sum over all groups is
@@ -93,34 +90,61 @@ template <class W>
 constexpr int SPLIT = KLayout<W>::VB <= 4 ? 4 : 3;
 
 // Weight rows n0 .. n0 + 15 (packed groups n0 / 8 and n0 / 8 + 1; rows past N are 0), per
-// super-block: for high and low in turn, 4 A tiles of 16 rows x 64 bytes (every byte written).
+// super-block (SB_BYTES): for high and low in turn, 4 A tiles of 16 rows x 64 bytes; then the
+// rows' d and dmin as floats (16 each) and their mins by pairs of groups (4 x 16 int32: group
+// 2p in the low half, 2p + 1 in the high), for the epilogue's broadcasts. Every byte is written.
+constexpr int64_t SB_BYTES = 2 * KIND_BYTES + 2 * 64 + 4 * 64;
+
 template <class W>
 void weight_tiles(const uint8_t* packed, int64_t supers, int64_t groups8, int64_t g8, uint8_t* out) {
   using P = KLayout<W>;
   constexpr int G = P::G;
-  constexpr int64_t SB_BYTES = 2 * KIND_BYTES;
   alignas(64) uint8_t q[AMX_ROWS][256];
+  alignas(64) uint16_t words[P::S][16];  // one block's value vectors: t, then (row r, group 2b + h) as 2 r + h
+  const __m512i by_t = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(32));
   for (int64_t sb = 0; sb < supers; ++sb) {
-    std::memset(q, 0, sizeof q);
+    uint8_t* o = out + sb * SB_BYTES;
+    float* d = reinterpret_cast<float*>(o + 2 * KIND_BYTES);
+    float* dmin = d + AMX_ROWS;
+    int32_t* mins = reinterpret_cast<int32_t*>(dmin + AMX_ROWS);
     uint8_t scale[AMX_ROWS][8] = {};
-    for (int half = 0; half < 2 && g8 + half < groups8; ++half) {
-      const uint8_t* blk = packed + ((g8 + half) * supers + sb) * P::BYTES;
+    for (int half_ = 0; half_ < 2; ++half_) {
+      if (g8 + half_ >= groups8) {  // rows past N
+        std::memset(q[8 * half_], 0, 8 * 256);
+        for (int r = 0; r < 8; ++r) {
+          d[8 * half_ + r] = dmin[8 * half_ + r] = 0;
+          for (int p = 0; p < 4; ++p) mins[p * AMX_ROWS + 8 * half_ + r] = 0;
+        }
+        continue;
+      }
+      const uint8_t* blk = packed + ((g8 + half_) * supers + sb) * P::BYTES;
+      for (int r = 0; r < 8; ++r) {
+        d[8 * half_ + r] = half(blk + 2 * r);
+        dmin[8 * half_ + r] = half(blk + 16 + 2 * r);
+        for (int p = 0; p < 4; ++p) {
+          const uint8_t* mn = blk + P::MN_AT + 16 * p + 2 * r;
+          mins[p * AMX_ROWS + 8 * half_ + r] = (int32_t)(mn[0] | (uint32_t)mn[1] << 16);
+        }
+      }
       for (int b = 0; b < P::NB; ++b) {
         const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
         for (int t = 0; t < P::S; ++t) {
           using namespace bytes;
           B wt = bits(load(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
           if constexpr (P::VB == 5) wt = bor(wt, fifth(load(v + P::LOW + 32 * (t / 8)), t % 8));
-          uint16_t words[16];  // row r: (group 2b: values 2t, 2t + 1), (group 2b + 1: the same)
-          bstore(reinterpret_cast<uint8_t*>(words), wt);
-          for (int r = 0; r < 8; ++r)
-            for (int h = 0; h < 2; ++h) std::memcpy(&q[8 * half + r][(2 * b + h) * G + 2 * t], &words[2 * r + h], 2);
+          bstore(reinterpret_cast<uint8_t*>(words[t]), wt);
+        }
+        // Row r's two groups: word pair r of every vector t (values 2 t, 2 t + 1 of groups 2 b, 2 b + 1).
+        static_assert(P::S == 16 && G == 32);
+        for (int r = 0; r < 8; ++r) {
+          const __m512i pairs = _mm512_i32gather_epi32(by_t, &words[0][2 * r], 1);
+          _mm256_store_si256((__m256i*)&q[8 * half_ + r][2 * b * G], _mm512_cvtepi32_epi16(pairs));
+          _mm256_store_si256((__m256i*)&q[8 * half_ + r][(2 * b + 1) * G], _mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs, 16)));
         }
         for (int r = 0; r < 8; ++r)
-          for (int h = 0; h < 2; ++h) scale[8 * half + r][2 * b + h] = blk[P::SC_AT + 16 * b + 2 * r + h];
+          for (int h = 0; h < 2; ++h) scale[8 * half_ + r][2 * b + h] = blk[P::SC_AT + 16 * b + 2 * r + h];
       }
     }
-    uint8_t* o = out + sb * SB_BYTES;
     for (int m = 0; m < AMX_ROWS; ++m)
       for (int g = 0; g < 8; ++g) {  // group g: values 32 (g % 2) .. of the A tiles' row m of chunk g / 2
         const __m512i values = _mm512_cvtepu8_epi16(_mm256_load_si256((const __m256i*)&q[m][32 * g]));
@@ -132,46 +156,54 @@ void weight_tiles(const uint8_t* packed, int64_t supers, int64_t groups8, int64_
   }
 }
 
-// x's group sums as int16 pairs for the mins' term: for each 16 rows of x, super-block and pair
-// of groups p, 16 int32 (row of x n: sum of group 2p in the low half, 2p + 1 in the high).
-inline std::vector<int32_t> x_group_pairs(const XK& x, int64_t M) {
-  const int64_t tiles = (M + AMX_ROWS - 1) / AMX_ROWS;
-  std::vector<int32_t> out(tiles * x.supers * 4 * AMX_ROWS, 0);
-  for (int64_t n = 0; n < M; ++n)
+// x as the tiles need it, in x.amx_tiles and x.amx_pairs, once per layer (before its parts run):
+// - its bytes (XK::q, [M, K]) as B tiles: for each 16 rows of x and 64 bytes along K, 16 rows of
+//   16 x 4 bytes (row of x n's bytes 4k .. 4k + 3 of the 64 at 64 k + 4 n); rows past M are 0;
+// - its group sums as int16 pairs for the mins' term: for each 16 rows of x, super-block and pair
+//   of groups p, 16 int32 (row of x n: sum of group 2p in the low half, 2p + 1 in the high).
+inline void amx_layout(XK& x, int64_t M, int threads) {
+  const int64_t K = x.supers * 256, tiles = (M + AMX_ROWS - 1) / AMX_ROWS;
+  x.amx_tiles.assign(tiles * AMX_ROWS * K, 0);
+  x.amx_pairs.assign(tiles * x.supers * 4 * AMX_ROWS, 0);
+  pool(threads).parallel_for(M, [&](int64_t n) {
+    const int8_t* q = &x.q[n * K];
+    int8_t* tile = &x.amx_tiles[(n / AMX_ROWS) * AMX_ROWS * K + (n % AMX_ROWS) * 4];
+    for (int64_t c = 0; c < K / 64; ++c)
+      for (int k = 0; k < 64; k += 4) std::memcpy(tile + c * 64 * AMX_ROWS + k * 16, q + c * 64 + k, 4);
     for (int64_t sb = 0; sb < x.supers; ++sb)
       for (int p = 0; p < 4; ++p) {
         const int16_t* sums = &x.sums32[(n * x.supers + sb) * 8 + 2 * p];
-        out[((n / AMX_ROWS * x.supers + sb) * 4 + p) * AMX_ROWS + n % AMX_ROWS] = (int32_t)((uint16_t)sums[0] | ((uint32_t)(uint16_t)sums[1] << 16));
+        x.amx_pairs[((n / AMX_ROWS * x.supers + sb) * 4 + p) * AMX_ROWS + n % AMX_ROWS] = (int32_t)((uint16_t)sums[0] | ((uint32_t)(uint16_t)sums[1] << 16));
       }
-  return out;
+  });
 }
 
 template <class W>
 Tiles linear_amx(const W& w, const uint8_t* packed, const XK& x, int64_t M, float* y, int64_t N, int64_t ldy) {
   using P = KLayout<W>;
   const int64_t supers = w.K / 256, groups8 = (N + 7) / 8, xtiles = (M + AMX_ROWS - 1) / AMX_ROWS;
-  // x's tiles and group sums, made once per layer for all its parts (here, before the threads start).
-  if (x.amx_tiles.empty()) {
-    x.amx_tiles = x_tiles(x, M);
-    x.amx_pairs = x_group_pairs(x, M);
-  }
   const int8_t* xt = x.amx_tiles.data();
   const int32_t* xp = x.amx_pairs.data();
   const XK* xk = &x;
   return {[=](int64_t job) {
             const int64_t n0 = job * AMX_ROWS;
             thread_local std::vector<uint8_t> wt;
-            wt.resize(supers * 2 * KIND_BYTES + 64);
+            wt.resize(supers * SB_BYTES + 64);
             uint8_t* wa = wt.data() + (64 - (uintptr_t)wt.data() % 64) % 64;
             weight_tiles<W>(packed, supers, groups8, n0 / 8, wa);
             configure_tiles();
-            alignas(64) int32_t sums[2][2][AMX_ROWS][AMX_ROWS];  // [x tile of the pair][high, low][weight row][row of x]
+            const int64_t rows_n = std::min<int64_t>(AMX_ROWS, N - n0);
+            // [super-block parity][x tile of the pair][high, low][weight row][row of x]
+            alignas(64) int32_t sums[2][2][2][AMX_ROWS][AMX_ROWS];
             alignas(64) float acc[2][AMX_ROWS][AMX_ROWS];
+            const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(AMX_ROWS));
+            const __mmask16 lanes = (__mmask16)((1u << rows_n) - 1);
             for (int64_t first = 0; first < xtiles; first += 2) {  // two tiles of x through each A tile loaded
               const int64_t pair = std::min<int64_t>(2, xtiles - first);
-              std::memset(acc, 0, sizeof acc);
-              for (int64_t sb = 0; sb < supers; ++sb) {
-                const uint8_t* a = wa + sb * 2 * KIND_BYTES;
+              // Super-block sb's integer sums into sums[sb % 2]: issued before the epilogue of
+              // sb - 1, so that the tile unit works while the vector units scale.
+              const auto products = [&](int64_t sb) {
+                const uint8_t* a = wa + sb * SB_BYTES;
                 const int8_t* b0 = xt + (first * supers + sb) * 256 * AMX_ROWS;
                 const int8_t* b1 = b0 + supers * 256 * AMX_ROWS;
                 _tile_zero(0);
@@ -190,12 +222,21 @@ Tiles linear_amx(const W& w, const uint8_t* packed, const XK& x, int64_t M, floa
                     _tile_dpbusd(3, 5, 7);
                   }
                 }
-                _tile_stored(0, sums[0][0], 64);
-                _tile_stored(1, sums[0][1], 64);
+                _tile_stored(0, sums[sb % 2][0][0], 64);
+                _tile_stored(1, sums[sb % 2][0][1], 64);
                 if (pair == 2) {
-                  _tile_stored(2, sums[1][0], 64);
-                  _tile_stored(3, sums[1][1], 64);
+                  _tile_stored(2, sums[sb % 2][1][0], 64);
+                  _tile_stored(3, sums[sb % 2][1][1], 64);
                 }
+              };
+              std::memset(acc, 0, sizeof acc);
+              products(0);
+              for (int64_t sb = 0; sb < supers; ++sb) {
+                if (sb + 1 < supers) products(sb + 1);
+                const uint8_t* a = wa + sb * SB_BYTES;
+                const float* d = reinterpret_cast<const float*>(a + 2 * KIND_BYTES);
+                const float* dmin = d + AMX_ROWS;
+                const int32_t* mins_w = reinterpret_cast<const int32_t*>(dmin + AMX_ROWS);
                 for (int64_t h = 0; h < pair; ++h) {
                   const int64_t m0 = (first + h) * AMX_ROWS, rows = std::min<int64_t>(AMX_ROWS, M - m0);
                   alignas(64) float xd[AMX_ROWS] = {};  // x's multipliers of this super-block (0 past M)
@@ -203,26 +244,27 @@ Tiles linear_amx(const W& w, const uint8_t* packed, const XK& x, int64_t M, floa
                   const __m512 xdv = _mm512_load_ps(xd);  // and -xd, as packed.h negates it (sign bit: -0 stays -0)
                   const __m512 minus_xd = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(xdv), _mm512_set1_epi32((int)0x80000000)));
                   const int32_t* pairs = xp + ((first + h) * supers + sb) * 4 * AMX_ROWS;
-                  for (int64_t m = 0; m < AMX_ROWS && n0 + m < N; ++m) {
-                    const uint8_t* blk = packed + ((n0 + m) / 8 * supers + sb) * P::BYTES;
-                    const int r = (int)((n0 + m) % 8);
-                    const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[h][0][m]), SPLIT<W>), _mm512_load_si512(sums[h][1][m]));
-                    __m512i mins = _mm512_setzero_si512();  // sum over groups of min times x's group sum
-                    for (int p = 0; p < 4; ++p) {
-                      const uint8_t* mn = blk + P::MN_AT + 16 * p + 2 * r;
-                      mins = _mm512_add_epi32(mins, _mm512_madd_epi16(_mm512_loadu_si512(pairs + p * AMX_ROWS), _mm512_set1_epi32((int32_t)(mn[0] | (uint32_t)mn[1] << 16))));
-                    }
+                  const __m512i p0 = _mm512_loadu_si512(pairs), p1 = _mm512_loadu_si512(pairs + AMX_ROWS),
+                                p2 = _mm512_loadu_si512(pairs + 2 * AMX_ROWS), p3 = _mm512_loadu_si512(pairs + 3 * AMX_ROWS);
+                  for (int64_t m = 0; m < rows_n; ++m) {
+                    const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[sb % 2][h][0][m]), SPLIT<W>), _mm512_load_si512(sums[sb % 2][h][1][m]));
+                    // sum over groups of min times x's group sum (the integers packed.h adds)
+                    __m512i mins = _mm512_dpwssd_epi32(_mm512_setzero_si512(), p0, _mm512_set1_epi32(mins_w[m]));
+                    mins = _mm512_dpwssd_epi32(mins, p1, _mm512_set1_epi32(mins_w[AMX_ROWS + m]));
+                    mins = _mm512_dpwssd_epi32(mins, p2, _mm512_set1_epi32(mins_w[2 * AMX_ROWS + m]));
+                    mins = _mm512_dpwssd_epi32(mins, p3, _mm512_set1_epi32(mins_w[3 * AMX_ROWS + m]));
                     __m512 v = _mm512_load_ps(acc[h][m]);
-                    v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(_mm512_set1_ps(half(blk + 2 * r)), xdv), v);
-                    v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(_mm512_set1_ps(half(blk + 16 + 2 * r)), minus_xd), v);
+                    v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(_mm512_set1_ps(d[m]), xdv), v);
+                    v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(_mm512_set1_ps(dmin[m]), minus_xd), v);
                     _mm512_store_ps(acc[h][m], v);
                   }
                 }
               }
+              // acc is [weight row][row of x]: each row of x's 16 outputs are a column of it.
               for (int64_t h = 0; h < pair; ++h) {
                 const int64_t m0 = (first + h) * AMX_ROWS, rows = std::min<int64_t>(AMX_ROWS, M - m0);
                 for (int64_t i = 0; i < rows; ++i)
-                  for (int64_t m = 0; m < AMX_ROWS && n0 + m < N; ++m) y[(m0 + i) * ldy + n0 + m] = acc[h][m][i];
+                  _mm512_mask_storeu_ps(y + (m0 + i) * ldy + n0, lanes, _mm512_i32gather_ps(column, &acc[h][0][i], 4));
               }
             }
             _tile_release();

@@ -40,7 +40,7 @@ Tiles linear_part(const W& w, const uint8_t* packed, const float* x, const XU* x
     if (packed != nullptr && xk != nullptr && xk->supers == w.K / 256) {
 #if defined(PARROT_AMX)
       if constexpr (AMX_FOLDS<W>)
-        if (M >= AMX_ROWS && amx_ready()) return linear_amx(w, packed, *xk, M, y, N, ldy);
+        if (!xk->amx_tiles.empty()) return linear_amx(w, packed, *xk, M, y, N, ldy);
 #endif
       return linear_kpacked(w, packed, *xk, M, y, N, ldy);
     }
@@ -100,7 +100,16 @@ void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int 
     });
   }
   const std::unique_ptr<XU> xu(q8 && any_packed ? new XU(x, M, w->K) : nullptr);
-  const std::unique_ptr<XK> xk(q8 && any_super && w->K % 256 == 0 ? new XK(x, M, w->K) : nullptr);
+  const std::unique_ptr<XK> xk(q8 && any_super && w->K % 256 == 0 ? new XK(x, M, w->K, threads) : nullptr);
+#if defined(PARROT_AMX)
+  bool folds = false;  // a part runs on the AMX tiles (amx.h): x in their layout too
+  for (const Mat* p = w; p != nullptr; p = p->next)
+    with_format(p->kind, [&]<class W>() {
+      if constexpr (W::SUPER)
+        if constexpr (AMX_FOLDS<W>) folds |= p->packed != nullptr;
+    });
+  if (xk && folds && M >= AMX_ROWS && amx_ready()) amx_layout(*xk, M, threads);
+#endif
   std::vector<Tiles> parts;
   std::vector<int64_t> first, bytes;  // each part's first cost unit in the job and bytes per tile
   int64_t total = 0, offset = 0;

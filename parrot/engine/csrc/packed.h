@@ -4,6 +4,7 @@
 
 #pragma once
 
+#include "pool.h"
 #include "tiles.h"
 
 #include <algorithm>
@@ -216,19 +217,20 @@ struct XK {
   std::vector<int8_t> q, q16, q32;
   std::vector<int16_t> sums, sums32;
   std::vector<float> d;
-  XK(const float* x, int64_t M, int64_t K)
+  XK(const float* x, int64_t M, int64_t K, int threads)
       : supers(K / 256), q(M * K), q16(M * K), q32(M * K), sums(M * supers * 16), sums32(M * supers * 8), d(M * supers) {
-    for (int64_t at = 0; at < M * supers; ++at) {
+    pool(threads).parallel_for(M * supers, [&](int64_t at) {
       d[at] = bytes::quantize256(x + at * 256, &q[at * 256], &sums[at * 16]);
       for (int g = 0; g < 8; ++g) sums32[at * 8 + g] = (int16_t)(sums[at * 16 + 2 * g] + sums[at * 16 + 2 * g + 1]);
       arrange(&q[at * 256], 16, &q16[at * 256]);
       arrange(&q[at * 256], 32, &q32[at * 256]);
-    }
+    });
   }
   const int8_t* arranged(int G) const { return G == 16 ? q16.data() : q32.data(); }
-  // The AMX kernel set's layout of q and of the group sums (amx.h), made by its first layer part.
-  mutable std::vector<int8_t> amx_tiles;
-  mutable std::vector<int32_t> amx_pairs;
+  // The AMX kernel set's layout of q and of the group sums (amx.h's amx_layout), where a layer's
+  // parts run on it; empty otherwise.
+  std::vector<int8_t> amx_tiles;
+  std::vector<int32_t> amx_pairs;
 
  private:
   static void arrange(const int8_t* in, int G, int8_t* out) {
