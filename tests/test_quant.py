@@ -195,15 +195,16 @@ WIDE = [isa for isa in ("avx512", "amx") if isa in available_isas()] or [isa for
 @pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
 def test_wide_k_quant_kernels_equal_the_avx2_steps(isa, kind):
     # The AVX-512 build takes two steps of the packed K-quant layout per instruction (packed.h,
-    # kpairs), and the amx set runs Q4_K and Q5_K layers over 16 or more rows on AMX tiles with
-    # the scales folded into the weights (amx.h). Both sum the same integers as the avx2 steps,
-    # so every output is bit for bit the avx2 build's: one row of x (decoding), tiles of several,
-    # and (amx) whole and partial tiles of 16 rows, with 8-row groups of weights not filling one.
+    # kpairs), and the amx set runs K-quant layers over 48 or more rows on AMX tiles with the
+    # scales folded into the weights (Q4_K, Q5_K) or split into three digits (Q6_K; amx.h). Both
+    # sum the same integers as the avx2 steps, so every output is bit for bit the avx2 build's:
+    # one row of x (decoding), tiles of several, and (amx) whole and partial tiles of 16 rows and
+    # pairs of them, with 8-row groups of weights not filling one.
     if isa == "amx" and not kernels("amx").amx_ready:
         pytest.skip("the OS did not grant the AMX tile registers")
     blocks, _ = _random_blocks(kind, 40, 5 * 256, seed=6)
     generator = torch.Generator().manual_seed(6)
-    for rows in (1, 2, 3, 4, 7, 9, 16, 17, 40):
+    for rows in (1, 2, 3, 4, 7, 9, 16, 17, 40, 48, 49, 81):
         x = torch.randn(rows, 5 * 256, generator=generator) * 3
         wide = kernels(isa).linear(x, BlockWeight(kind, blocks.data.clone()), q8=True)
         if isa == "avx2":

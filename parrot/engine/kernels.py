@@ -45,8 +45,8 @@ SOURCES = [os.path.join(_CSRC, name) for name in (
     "kernels.cpp", "formats.h", "tiles.h", "packed.h", "amx.h", "linear.h", "attention.h", "model.h", "simd.h", "pool.h")]
 # Instruction sets, best first: compiler flags and the /proc/cpuinfo flags they need.
 ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
-    "amx": (["-DPARROT_AVX512", "-DPARROT_AMX", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
-            ("avx512f", "avx512bw", "avx512_vnni", "fma", "f16c", "amx_tile", "amx_int8")),
+    "amx": (["-DPARROT_AVX512", "-DPARROT_AMX", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
+            ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c", "amx_tile", "amx_int8")),
     "avx512": (["-DPARROT_AVX512", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c"], ("avx512f", "avx512bw", "fma", "f16c")),
     "avx2": (["-DPARROT_AVX2", "-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
     "portable": ([], ()),
@@ -195,7 +195,7 @@ class Kernels:
 
     @property
     def amx_ready(self) -> bool:
-        """Whether K-quant layers over 16 or more rows run on AMX tiles (the amx set, when the OS
+        """Whether K-quant layers over 48 or more rows run on AMX tiles (the amx set, when the OS
         grants the tile registers; csrc/amx.h)."""
         return bool(self._lib.parrot_amx_ready())
 

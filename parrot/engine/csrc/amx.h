@@ -1,12 +1,12 @@
-// Q4_K and Q5_K layers over many rows of x (prompt chunks) on Intel AMX: the `amx` kernel set
-// (AVX-512 and AMX-INT8). A layer over 16 or more rows runs here; fewer rows (decoding, verifying
-// drafts) and Q6_K run packed.h's tiles.
+// Q4_K, Q5_K and Q6_K layers over many rows of x (prompt chunks) on Intel AMX: the `amx` kernel
+// set (AVX-512 and AMX-INT8). A layer over AMX_MIN_ROWS or more rows runs here; fewer rows
+// (decoding, verifying drafts, short prompts) run packed.h's tiles.
 //
 // Why: a prompt chunk is bound by the multiplications. packed.h's AVX-512 tiles reach about 34
 // byte multiply-adds per cycle per core; one tile instruction (TDPBUSD) multiplies 16 weight rows
 // x 64 unsigned bytes by 64 x 16 signed bytes of x into 16 x 16 int32 sums (3.5 TMAC/s per core
-// measured alone, Intel Xeon). Qwen2.5-Coder-1.5B's Q4_K layers at 512 rows: 2x the AVX-512
-// tiles' speed; a 512-token chunk 2.06-2.18 s against 3.24-3.35 s.
+// measured alone, Intel Xeon). Qwen2.5-Coder-1.5B at 512 rows: Q4_K layers 2x the AVX-512 tiles'
+// speed, Q6_K 1.7x; a 512-token chunk about 1.9 s against 3.24-3.35 s.
 //
 // The same integers, bit for bit. A group of 32 weights shares an integer scale s (6 bits), so
 // a tile instruction over 64 bytes would mix two scales; instead s is folded into the weights:
@@ -16,7 +16,8 @@
 // term (sum over groups of min times x's group sum) takes `vpmaddwd` on x's group sums. Each
 // (weight row, row of x) output then takes exactly packed.h's float operations in the same
 // order: d times x's multiplier, then dmin times minus it. A row's result does not depend on the
-// path or the tile (tests/test_quant.py checks every output against the avx2 build).
+// path or the tile (tests/test_quant.py checks every output against the avx2 build). Q6_K's
+// signed scales take another split (three digits; see linear_amx6 below).
 //
 // Work: one job per 16 weight rows (two of packed.h's groups of 8). Its weights are expanded once
 // from the packed copy into the a q and b q bytes (A tiles) with the rows' d, dmin and mins laid
@@ -30,9 +31,9 @@
 // quantised x on one thread. Now: d, dmin and the mins are floats and int32 pairs made with the
 // weights, the mins' term is 4 `vpdpwssd`, the expansion gathers word pairs, and super-block
 // sb + 1's tile instructions are issued before sb's epilogue (two buffers of sums), so the tile
-// unit and the vector units overlap. Chunk 2.65-2.67 -> 2.06-2.18 s. What is left is the tile
-// loop itself (16 tile loads and 4 stores per 16 TDPBUSD, at about a fifth of their peak) and the
-// Q6_K layers, which stay on packed.h (half the down projections of a Q4_K_M file).
+// unit and the vector units overlap. Chunk 2.65-2.67 -> 2.06-2.18 s; with Q6_K here too (half the
+// down projections of a Q4_K_M file), 1.9 s. What is left is the tile loop itself (16 tile loads
+// and 4 stores per 16 TDPBUSD, at about a fifth of their peak).
 
 #pragma once
 
@@ -73,8 +74,13 @@ inline void configure_tiles() {
 
 constexpr int64_t AMX_ROWS = 16;  // rows of x (and of weights) per tile
 
+// Rows of x from which a layer runs here: a job expands its weights once per call, which fewer
+// rows do not pay back. Qwen2.5-Coder-1.5B's layers (Intel Xeon, amx against avx512 tiles):
+// equal at 32 rows for Q4_K, 1.2x slower for Q6_K; at 64 rows 1.3-1.5x faster; at 16, 2x slower.
+constexpr int64_t AMX_MIN_ROWS = 48;
+
 // Formats whose values and scales fit the folding below: unsigned values of up to 5 bits,
-// unsigned 6-bit scales and mins (Q4_K, Q5_K). Q6_K's signed scales do not: it stays on packed.h.
+// unsigned 6-bit scales and mins (Q4_K, Q5_K). Q6_K's signed scales take AMX_DIGITS (below).
 template <class W>
 constexpr bool AMX_FOLDS = W::SUPER && W::MIN && W::SHIFT == 0 && KLayout<W>::VB <= 5;
 
@@ -89,6 +95,39 @@ constexpr int64_t KIND_BYTES = 4 * AMX_ROWS * 64;
 template <class W>
 constexpr int SPLIT = KLayout<W>::VB <= 4 ? 4 : 3;
 
+// The values (0 .. 2^VB - 1) of the 8 weight rows of a packed super-block (blk): q[r][k].
+template <class W>
+void unpack_values(const uint8_t* blk, uint8_t (*q)[256]) {
+  using P = KLayout<W>;
+  constexpr int G = P::G;
+  alignas(64) uint16_t words[P::S][16];  // one block's value vectors: t, then (row r, group 2b + h) as 2 r + h
+  for (int b = 0; b < P::NB; ++b) {
+    const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
+    for (int t = 0; t < P::S; ++t) {
+      using namespace bytes;
+      B wt = bits(load(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
+      if constexpr (P::VB == 5) wt = bor(wt, fifth(load(v + P::LOW + 32 * (t / 8)), t % 8));
+      if constexpr (P::VB == 6) wt = bor(wt, sixth(load(v + P::LOW + 32 * (t / 4)), t % 4));
+      bstore(reinterpret_cast<uint8_t*>(words[t]), wt);
+    }
+    // Row r's two groups: word pair r of every vector t (values 2 t, 2 t + 1 of groups 2 b, 2 b + 1).
+    for (int r = 0; r < 8; ++r) {
+      if constexpr (P::S == 16) {
+        const __m512i by_t = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(32));
+        const __m512i pairs = _mm512_i32gather_epi32(by_t, &words[0][2 * r], 1);
+        _mm256_store_si256((__m256i*)&q[r][2 * b * G], _mm512_cvtepi32_epi16(pairs));
+        _mm256_store_si256((__m256i*)&q[r][(2 * b + 1) * G], _mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs, 16)));
+      } else {
+        static_assert(P::S == 8);
+        const __m256i by_t = _mm256_set_epi32(7 * 32, 6 * 32, 5 * 32, 4 * 32, 3 * 32, 2 * 32, 32, 0);
+        const __m256i pairs = _mm256_i32gather_epi32((const int*)&words[0][2 * r], by_t, 1);
+        _mm_storeu_si128((__m128i*)&q[r][2 * b * G], _mm256_cvtepi32_epi16(pairs));
+        _mm_storeu_si128((__m128i*)&q[r][(2 * b + 1) * G], _mm256_cvtepi32_epi16(_mm256_srli_epi32(pairs, 16)));
+      }
+    }
+  }
+}
+
 // Weight rows n0 .. n0 + 15 (packed groups n0 / 8 and n0 / 8 + 1; rows past N are 0), per
 // super-block (SB_BYTES): for high and low in turn, 4 A tiles of 16 rows x 64 bytes; then the
 // rows' d and dmin as floats (16 each) and their mins by pairs of groups (4 x 16 int32: group
@@ -100,8 +139,6 @@ void weight_tiles(const uint8_t* packed, int64_t supers, int64_t groups8, int64_
   using P = KLayout<W>;
   constexpr int G = P::G;
   alignas(64) uint8_t q[AMX_ROWS][256];
-  alignas(64) uint16_t words[P::S][16];  // one block's value vectors: t, then (row r, group 2b + h) as 2 r + h
-  const __m512i by_t = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(32));
   for (int64_t sb = 0; sb < supers; ++sb) {
     uint8_t* o = out + sb * SB_BYTES;
     float* d = reinterpret_cast<float*>(o + 2 * KIND_BYTES);
@@ -126,24 +163,10 @@ void weight_tiles(const uint8_t* packed, int64_t supers, int64_t groups8, int64_
           mins[p * AMX_ROWS + 8 * half_ + r] = (int32_t)(mn[0] | (uint32_t)mn[1] << 16);
         }
       }
-      for (int b = 0; b < P::NB; ++b) {
-        const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
-        for (int t = 0; t < P::S; ++t) {
-          using namespace bytes;
-          B wt = bits(load(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
-          if constexpr (P::VB == 5) wt = bor(wt, fifth(load(v + P::LOW + 32 * (t / 8)), t % 8));
-          bstore(reinterpret_cast<uint8_t*>(words[t]), wt);
-        }
-        // Row r's two groups: word pair r of every vector t (values 2 t, 2 t + 1 of groups 2 b, 2 b + 1).
-        static_assert(P::S == 16 && G == 32);
-        for (int r = 0; r < 8; ++r) {
-          const __m512i pairs = _mm512_i32gather_epi32(by_t, &words[0][2 * r], 1);
-          _mm256_store_si256((__m256i*)&q[8 * half_ + r][2 * b * G], _mm512_cvtepi32_epi16(pairs));
-          _mm256_store_si256((__m256i*)&q[8 * half_ + r][(2 * b + 1) * G], _mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs, 16)));
-        }
+      unpack_values<W>(blk, &q[8 * half_]);
+      for (int b = 0; b < P::NB; ++b)
         for (int r = 0; r < 8; ++r)
           for (int h = 0; h < 2; ++h) scale[8 * half_ + r][2 * b + h] = blk[P::SC_AT + 16 * b + 2 * r + h];
-      }
     }
     for (int m = 0; m < AMX_ROWS; ++m)
       for (int g = 0; g < 8; ++g) {  // group g: values 32 (g % 2) .. of the A tiles' row m of chunk g / 2
@@ -266,6 +289,138 @@ Tiles linear_amx(const W& w, const uint8_t* packed, const XK& x, int64_t M, floa
                 for (int64_t i = 0; i < rows; ++i)
                   _mm512_mask_storeu_ps(y + (m0 + i) * ldy + n0, lanes, _mm512_i32gather_ps(column, &acc[h][0][i], 4));
               }
+            }
+            _tile_release();
+          },
+          (N + AMX_ROWS - 1) / AMX_ROWS};
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Q6_K: values q of 6 bits, weight = d s (q - 32) with a signed 8-bit scale s per group of 16.
+// s (q - 32) does not fit a byte, so s is written in balanced base 7: s = 49 s2 + 7 s1 + s0 with
+// digits in -3 .. 3 (every s in -128 .. 127 has one), and each digit times q - 32 is a signed
+// byte (|3 x 32| = 96). Three A tiles per 64 bytes along K, one per digit, multiplied with x's
+// signed bytes by TDPBSSD (signed by signed), and a super-block's sum is 49 S2 + 7 S1 + S0: the
+// integer packed.h sums (scale times q times x, less 32 times the scales times x's group sums).
+
+template <class W>
+constexpr bool AMX_DIGITS = W::SUPER && !W::MIN && W::SHIFT == 5 && KLayout<W>::VB == 6 && KLayout<W>::G == 16;
+
+// Per super-block: for digits 0, 1, 2 in turn, 4 A tiles of 16 rows x 64 bytes; then the rows' d
+// as floats (16).
+constexpr int64_t SB6_BYTES = 3 * KIND_BYTES + 64;
+
+// The balanced base-7 digits of every signed byte s: s = 49 d[2] + 7 d[1] + d[0], each in -3 .. 3
+// (DIGITS7[s + 128]).
+struct Digits7 {
+  int8_t d[256][3];
+  constexpr Digits7() : d{} {
+    for (int s0 = -128; s0 < 128; ++s0) {
+      int s = s0;
+      for (int j = 0; j < 2; ++j) {
+        d[s0 + 128][j] = (int8_t)(((s % 7) + 7 + 3) % 7 - 3);
+        s = (s - d[s0 + 128][j]) / 7;
+      }
+      d[s0 + 128][2] = (int8_t)s;
+    }
+  }
+};
+constexpr Digits7 DIGITS7{};
+
+template <class W>
+void weight_tiles6(const uint8_t* packed, int64_t supers, int64_t groups8, int64_t g8, uint8_t* out) {
+  using P = KLayout<W>;
+  alignas(64) uint8_t q[AMX_ROWS][256];
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    uint8_t* o = out + sb * SB6_BYTES;
+    float* d = reinterpret_cast<float*>(o + 3 * KIND_BYTES);
+    int8_t digit[3][AMX_ROWS][16] = {};  // [digit][row][group]
+    for (int half_ = 0; half_ < 2; ++half_) {
+      if (g8 + half_ >= groups8) {  // rows past N: values 32 (weight 0), digits and d 0
+        std::memset(q[8 * half_], 32, 8 * 256);
+        for (int r = 0; r < 8; ++r) d[8 * half_ + r] = 0;
+        continue;
+      }
+      const uint8_t* blk = packed + ((g8 + half_) * supers + sb) * P::BYTES;
+      for (int r = 0; r < 8; ++r) d[8 * half_ + r] = half(blk + 2 * r);
+      unpack_values<W>(blk, &q[8 * half_]);
+      for (int b = 0; b < P::NB; ++b)
+        for (int r = 0; r < 8; ++r)
+          for (int h = 0; h < 2; ++h) {
+            const int8_t* dg = DIGITS7.d[(int8_t)blk[P::SC_AT + 16 * b + 2 * r + h] + 128];
+            for (int j = 0; j < 3; ++j) digit[j][8 * half_ + r][2 * b + h] = dg[j];
+          }
+    }
+    for (int m = 0; m < AMX_ROWS; ++m)
+      for (int g = 0; g < 16; g += 2) {  // groups g, g + 1: values 16 g .. 16 g + 31, in chunk g / 4 at 32 (g / 2 % 2)
+        const __m512i values = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_load_si256((const __m256i*)&q[m][16 * g])), _mm512_set1_epi16(32));
+        const int64_t at = (int64_t)(g / 4) * AMX_ROWS * 64 + m * 64 + 32 * (g / 2 % 2);
+        for (int j = 0; j < 3; ++j) {
+          const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16(digit[j][m][g]), _mm256_set1_epi16(digit[j][m][g + 1]), 1);
+          _mm256_storeu_si256((__m256i*)(o + j * KIND_BYTES + at), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(values, by)));
+        }
+      }
+  }
+}
+
+template <class W>
+Tiles linear_amx6(const W& w, const uint8_t* packed, const XK& x, int64_t M, float* y, int64_t N, int64_t ldy) {
+  const int64_t supers = w.K / 256, groups8 = (N + 7) / 8, xtiles = (M + AMX_ROWS - 1) / AMX_ROWS;
+  const int8_t* xt = x.amx_tiles.data();
+  const XK* xk = &x;
+  return {[=](int64_t job) {
+            const int64_t n0 = job * AMX_ROWS;
+            thread_local std::vector<uint8_t> wt;
+            wt.resize(supers * SB6_BYTES + 64);
+            uint8_t* wa = wt.data() + (64 - (uintptr_t)wt.data() % 64) % 64;
+            weight_tiles6<W>(packed, supers, groups8, n0 / 8, wa);
+            configure_tiles();
+            const int64_t rows_n = std::min<int64_t>(AMX_ROWS, N - n0);
+            alignas(64) int32_t sums[2][3][AMX_ROWS][AMX_ROWS];  // [super-block parity][digit][weight row][row of x]
+            alignas(64) float acc[AMX_ROWS][AMX_ROWS];
+            const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(AMX_ROWS));
+            const __mmask16 lanes = (__mmask16)((1u << rows_n) - 1);
+            for (int64_t xtile = 0; xtile < xtiles; ++xtile) {
+              const int64_t m0 = xtile * AMX_ROWS, rows = std::min<int64_t>(AMX_ROWS, M - m0);
+              // Super-block sb's three digit sums into sums[sb % 2], issued before sb - 1's epilogue.
+              const auto products = [&](int64_t sb) {
+                const uint8_t* a = wa + sb * SB6_BYTES;
+                const int8_t* b = xt + (xtile * supers + sb) * 256 * AMX_ROWS;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                for (int c = 0; c < 4; ++c) {
+                  _tile_loadd(7, b + c * 64 * AMX_ROWS, 64);
+                  _tile_loadd(4, a + c * 64 * AMX_ROWS, 64);
+                  _tile_loadd(5, a + KIND_BYTES + c * 64 * AMX_ROWS, 64);
+                  _tile_loadd(6, a + 2 * KIND_BYTES + c * 64 * AMX_ROWS, 64);
+                  _tile_dpbssd(0, 4, 7);
+                  _tile_dpbssd(1, 5, 7);
+                  _tile_dpbssd(2, 6, 7);
+                }
+                _tile_stored(0, sums[sb % 2][0], 64);
+                _tile_stored(1, sums[sb % 2][1], 64);
+                _tile_stored(2, sums[sb % 2][2], 64);
+              };
+              std::memset(acc, 0, sizeof acc);
+              products(0);
+              for (int64_t sb = 0; sb < supers; ++sb) {
+                if (sb + 1 < supers) products(sb + 1);
+                const float* d = reinterpret_cast<const float*>(wa + sb * SB6_BYTES + 3 * KIND_BYTES);
+                alignas(64) float xd[AMX_ROWS] = {};  // x's multipliers of this super-block (0 past M)
+                for (int64_t i = 0; i < rows; ++i) xd[i] = xk->d[(m0 + i) * supers + sb];
+                const __m512 xdv = _mm512_load_ps(xd);
+                for (int64_t m = 0; m < rows_n; ++m) {
+                  const __m512i total = _mm512_add_epi32(
+                      _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(sums[sb % 2][2][m]), _mm512_set1_epi32(49)),
+                                       _mm512_mullo_epi32(_mm512_load_si512(sums[sb % 2][1][m]), _mm512_set1_epi32(7))),
+                      _mm512_load_si512(sums[sb % 2][0][m]));
+                  _mm512_store_ps(acc[m], _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(_mm512_set1_ps(d[m]), xdv), _mm512_load_ps(acc[m])));
+                }
+              }
+              for (int64_t i = 0; i < rows; ++i)
+                _mm512_mask_storeu_ps(y + (m0 + i) * ldy + n0, lanes, _mm512_i32gather_ps(column, &acc[0][i], 4));
             }
             _tile_release();
           },

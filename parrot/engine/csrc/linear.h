@@ -41,6 +41,8 @@ Tiles linear_part(const W& w, const uint8_t* packed, const float* x, const XU* x
 #if defined(PARROT_AMX)
       if constexpr (AMX_FOLDS<W>)
         if (!xk->amx_tiles.empty()) return linear_amx(w, packed, *xk, M, y, N, ldy);
+      if constexpr (AMX_DIGITS<W>)
+        if (!xk->amx_tiles.empty()) return linear_amx6(w, packed, *xk, M, y, N, ldy);
 #endif
       return linear_kpacked(w, packed, *xk, M, y, N, ldy);
     }
@@ -106,9 +108,9 @@ void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int 
   for (const Mat* p = w; p != nullptr; p = p->next)
     with_format(p->kind, [&]<class W>() {
       if constexpr (W::SUPER)
-        if constexpr (AMX_FOLDS<W>) folds |= p->packed != nullptr;
+        if constexpr (AMX_FOLDS<W> || AMX_DIGITS<W>) folds |= p->packed != nullptr;
     });
-  if (xk && folds && M >= AMX_ROWS && amx_ready()) amx_layout(*xk, M, threads);
+  if (xk && folds && M >= AMX_MIN_ROWS && amx_ready()) amx_layout(*xk, M, threads);
 #endif
   std::vector<Tiles> parts;
   std::vector<int64_t> first, bytes;  // each part's first cost unit in the job and bytes per tile
