@@ -201,6 +201,21 @@ inline void amx_layout(XK& x, int64_t M, int threads) {
   });
 }
 
+// A job's expanded weights: this thread's buffer of at least `bytes`, 64-byte aligned, reused
+// by its next job (a thread runs one job at a time).
+inline uint8_t* job_buffer(int64_t bytes) {
+  thread_local std::vector<uint8_t> buffer;
+  buffer.resize(bytes + 64);
+  return buffer.data() + (64 - (uintptr_t)buffer.data() % 64) % 64;
+}
+
+// Row i of x's outputs, weight rows n0 .. n0 + 15 (`lanes` of them), from acc [weight row][row of
+// x] (AMX_ROWS x AMX_ROWS): a column of acc, gathered.
+inline void store_column(const float (*acc)[AMX_ROWS], int64_t i, float* y, __mmask16 lanes) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(AMX_ROWS));
+  _mm512_mask_storeu_ps(y, lanes, _mm512_i32gather_ps(column, &acc[0][i], 4));
+}
+
 template <class W>
 Tiles linear_amx(const W& w, const uint8_t* packed, const XK& x, int64_t M, float* y, int64_t N, int64_t ldy) {
   using P = KLayout<W>;
@@ -210,16 +225,13 @@ Tiles linear_amx(const W& w, const uint8_t* packed, const XK& x, int64_t M, floa
   const XK* xk = &x;
   return {[=](int64_t job) {
             const int64_t n0 = job * AMX_ROWS;
-            thread_local std::vector<uint8_t> wt;
-            wt.resize(supers * SB_BYTES + 64);
-            uint8_t* wa = wt.data() + (64 - (uintptr_t)wt.data() % 64) % 64;
+            uint8_t* wa = job_buffer(supers * SB_BYTES);
             weight_tiles<W>(packed, supers, groups8, n0 / 8, wa);
             configure_tiles();
             const int64_t rows_n = std::min<int64_t>(AMX_ROWS, N - n0);
             // [super-block parity][x tile of the pair][high, low][weight row][row of x]
             alignas(64) int32_t sums[2][2][2][AMX_ROWS][AMX_ROWS];
             alignas(64) float acc[2][AMX_ROWS][AMX_ROWS];
-            const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(AMX_ROWS));
             const __mmask16 lanes = (__mmask16)((1u << rows_n) - 1);
             for (int64_t first = 0; first < xtiles; first += 2) {  // two tiles of x through each A tile loaded
               const int64_t pair = std::min<int64_t>(2, xtiles - first);
@@ -283,11 +295,10 @@ Tiles linear_amx(const W& w, const uint8_t* packed, const XK& x, int64_t M, floa
                   }
                 }
               }
-              // acc is [weight row][row of x]: each row of x's 16 outputs are a column of it.
               for (int64_t h = 0; h < pair; ++h) {
                 const int64_t m0 = (first + h) * AMX_ROWS, rows = std::min<int64_t>(AMX_ROWS, M - m0);
                 for (int64_t i = 0; i < rows; ++i)
-                  _mm512_mask_storeu_ps(y + (m0 + i) * ldy + n0, lanes, _mm512_i32gather_ps(column, &acc[h][0][i], 4));
+                  store_column(acc[h], i, y + (m0 + i) * ldy + n0, lanes);
               }
             }
             _tile_release();
@@ -371,15 +382,12 @@ Tiles linear_amx6(const W& w, const uint8_t* packed, const XK& x, int64_t M, flo
   const XK* xk = &x;
   return {[=](int64_t job) {
             const int64_t n0 = job * AMX_ROWS;
-            thread_local std::vector<uint8_t> wt;
-            wt.resize(supers * SB6_BYTES + 64);
-            uint8_t* wa = wt.data() + (64 - (uintptr_t)wt.data() % 64) % 64;
+            uint8_t* wa = job_buffer(supers * SB6_BYTES);
             weight_tiles6<W>(packed, supers, groups8, n0 / 8, wa);
             configure_tiles();
             const int64_t rows_n = std::min<int64_t>(AMX_ROWS, N - n0);
             alignas(64) int32_t sums[2][3][AMX_ROWS][AMX_ROWS];  // [super-block parity][digit][weight row][row of x]
             alignas(64) float acc[AMX_ROWS][AMX_ROWS];
-            const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(AMX_ROWS));
             const __mmask16 lanes = (__mmask16)((1u << rows_n) - 1);
             for (int64_t xtile = 0; xtile < xtiles; ++xtile) {
               const int64_t m0 = xtile * AMX_ROWS, rows = std::min<int64_t>(AMX_ROWS, M - m0);
@@ -420,7 +428,7 @@ Tiles linear_amx6(const W& w, const uint8_t* packed, const XK& x, int64_t M, flo
                 }
               }
               for (int64_t i = 0; i < rows; ++i)
-                _mm512_mask_storeu_ps(y + (m0 + i) * ldy + n0, lanes, _mm512_i32gather_ps(column, &acc[0][i], 4));
+                store_column(acc, i, y + (m0 + i) * ldy + n0, lanes);
             }
             _tile_release();
           },
