@@ -39,10 +39,10 @@ Tiles linear_part(const W& w, const uint8_t* packed, const float* x, const XU* x
   if constexpr (W::SUPER) {
     if (packed != nullptr && xk != nullptr && xk->supers == w.K / 256) {
 #if defined(PARROT_AMX)
-      if constexpr (AMX_FOLDS<W>)
-        if (!xk->amx_tiles.empty()) return linear_amx(w, packed, *xk, M, y, N, ldy);
-      if constexpr (AMX_DIGITS<W>)
-        if (!xk->amx_tiles.empty()) return linear_amx6(w, packed, *xk, M, y, N, ldy);
+      if (!xk->amx_tiles.empty()) {  // linear() decided: the formats that run on AMX do
+        if constexpr (AMX_FOLDS<W>) return linear_amx(w, packed, *xk, M, y, N, ldy);
+        if constexpr (AMX_DIGITS<W>) return linear_amx6(w, packed, *xk, M, y, N, ldy);
+      }
 #endif
       return linear_kpacked(w, packed, *xk, M, y, N, ldy);
     }
@@ -93,24 +93,31 @@ constexpr int64_t PIECES = 4;
 // their packed copy); 0: float32 throughout.
 void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int q8) {
   int64_t ldy = 0;
-  bool any_packed = false, any_super = false;
+#if defined(PARROT_AMX)
+  const bool amx = M >= AMX_MIN_ROWS && amx_ready();  // layers in the formats amx.h runs go there
+#endif
+  // K-quant parts on the packed tiles read x arranged (XK), parts on the AMX tiles read it in
+  // their layout: each is made only where a part reads it.
+  bool any_packed = false, any_super = false, any_tiles = false, any_amx = false;
   for (const Mat* p = w; p != nullptr; p = p->next) {
     ldy += p->N;
     with_format(p->kind, [&]<class W>() {
-      if constexpr (W::SUPER) any_super = true;
-      else if constexpr (W::INTEGER) any_packed |= p->packed != nullptr;
+      if constexpr (W::SUPER) {
+        any_super = true;
+        bool on_amx = false;
+#if defined(PARROT_AMX)
+        if constexpr (AMX_FOLDS<W> || AMX_DIGITS<W>) on_amx = amx;
+#endif
+        if (p->packed != nullptr) (on_amx ? any_amx : any_tiles) = true;
+      } else if constexpr (W::INTEGER) {
+        any_packed |= p->packed != nullptr;
+      }
     });
   }
   const std::unique_ptr<XU> xu(q8 && any_packed ? new XU(x, M, w->K) : nullptr);
-  const std::unique_ptr<XK> xk(q8 && any_super && w->K % 256 == 0 ? new XK(x, M, w->K, threads) : nullptr);
+  const std::unique_ptr<XK> xk(q8 && any_super && w->K % 256 == 0 ? new XK(x, M, w->K, threads, any_tiles) : nullptr);
 #if defined(PARROT_AMX)
-  bool folds = false;  // a part runs on the AMX tiles (amx.h): x in their layout too
-  for (const Mat* p = w; p != nullptr; p = p->next)
-    with_format(p->kind, [&]<class W>() {
-      if constexpr (W::SUPER)
-        if constexpr (AMX_FOLDS<W> || AMX_DIGITS<W>) folds |= p->packed != nullptr;
-    });
-  if (xk && folds && M >= AMX_MIN_ROWS && amx_ready()) amx_layout(*xk, M, threads);
+  if (xk && any_amx) amx_layout(*xk, M, threads);
 #endif
   std::vector<Tiles> parts;
   std::vector<int64_t> first, bytes;  // each part's first cost unit in the job and bytes per tile

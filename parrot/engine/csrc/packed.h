@@ -217,13 +217,17 @@ struct XK {
   std::vector<int8_t> q, q16, q32;
   std::vector<int16_t> sums, sums32;
   std::vector<float> d;
-  XK(const float* x, int64_t M, int64_t K, int threads)
-      : supers(K / 256), q(M * K), q16(M * K), q32(M * K), sums(M * supers * 16), sums32(M * supers * 8), d(M * supers) {
+  // `arranged`: a part runs on the packed tiles, which read q arranged (AMX tiles read amx_tiles).
+  XK(const float* x, int64_t M, int64_t K, int threads, bool arranged)
+      : supers(K / 256), q(M * K), q16(arranged ? M * K : 0), q32(arranged ? M * K : 0), sums(M * supers * 16),
+        sums32(M * supers * 8), d(M * supers) {
     pool(threads).parallel_for(M * supers, [&](int64_t at) {
       d[at] = bytes::quantize256(x + at * 256, &q[at * 256], &sums[at * 16]);
       for (int g = 0; g < 8; ++g) sums32[at * 8 + g] = (int16_t)(sums[at * 16 + 2 * g] + sums[at * 16 + 2 * g + 1]);
-      arrange(&q[at * 256], 16, &q16[at * 256]);
-      arrange(&q[at * 256], 32, &q32[at * 256]);
+      if (arranged) {
+        arrange(&q[at * 256], 16, &q16[at * 256]);
+        arrange(&q[at * 256], 32, &q32[at * 256]);
+      }
     });
   }
   const int8_t* arranged(int G) const { return G == 16 ? q16.data() : q32.data(); }
