@@ -8,13 +8,13 @@
 // position and the chunk offsets.
 //
 // The rows of one token (the G query heads of a key/value head) see the same keys and go through
-// the chunk together, up to 4 at a time, with the head dimension in the vector lanes: a score is
-// a run of multiply-adds over the dimension's 8-lane slices, summed across lanes once (for 4 keys
-// at a time, bytes::ghsum4), and sum p v keeps each row's sums in registers for the whole chunk.
-// Each key or value slice is read (and widened from float16) once per block of rows. Keys are
-// never transposed: a one-token pass (3 rows per key/value head on the embedded model) spent as
-// long transposing keys as scoring them. All builds use 8-lane vectors here (the AVX-512 build
-// too, as in the 8-bit linear layers).
+// the chunk together, up to RMAX at a time (8 in the AVX-512 builds, 4 in the others), with the
+// head dimension in the vector lanes (16 or 8): a score is a run of multiply-adds over the
+// dimension's slices, summed across lanes once (for 4 keys at a time, av::hsum4), and sum p v
+// keeps each row's sums in registers for the whole chunk. Each key or value slice is read (and
+// widened from float16) once per block of rows: once per token where G <= RMAX (Qwen2.5's 6,
+// Gemma 3's 4, the embedded model's 3). Keys are never transposed: a one-token pass (3 rows per
+// key/value head on the embedded model) spent as long transposing keys as scoring them.
 //
 // Grouped-query attention: query head h reads key/value head h / (heads / kv_heads), as
 // transformers' repeat_kv does. Sliding-window layers (Gemma 3's local layers) pass a window:
@@ -51,72 +51,121 @@ inline void fetch_ahead(const void* keys, const void* values, int64_t bytes) {
   }
 }
 
-inline bytes::G kv8(const float* p) { return bytes::gload(p); }
-inline bytes::G kv8(const uint16_t* p) { return bytes::ghalf8((const uint8_t*)p); }
+// The head dimension's vectors. The AVX-512 builds use 16 lanes and take up to 8 rows of a
+// token through a chunk together (32 registers); the others 8 lanes and 4 rows (16 registers).
+// A one-token pass of Qwen2.5-1.5B (6 query heads per key/value head, head size 128) at 4,096
+// positions was arithmetic-bound in 8 lanes and 4 rows: 5.8 ms of 28 layers with the cache in
+// cache, 7.9 ms streaming it (15 GB/s of a 29 GB/s machine; Intel Xeon, AVX-512).
+namespace av {
+#if defined(PARROT_AVX512)
+struct V { __m512 v; };
+constexpr int W = 16, RMAX = 8;
+inline V zero() { return {_mm512_setzero_ps()}; }
+inline V set1(float a) { return {_mm512_set1_ps(a)}; }
+inline V load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V kv(const float* p) { return load(p); }
+inline V kv(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
+inline V fmadd(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline void store(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+inline __m256 fold(V a) {  // lanes i + (i + 8)
+  return _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
+}
+inline void hsum4(V a, V b, V c, V d, float* out) {
+  bytes::ghsum4({fold(a)}, {fold(b)}, {fold(c)}, {fold(d)}, out);
+}
+#else
+using V = bytes::G;
+constexpr int W = 8, RMAX = 4;
+inline V zero() { return bytes::gzero(); }
+inline V set1(float a) { return bytes::gset1(a); }
+inline V load(const float* p) { return bytes::gload(p); }
+inline V kv(const float* p) { return bytes::gload(p); }
+inline V kv(const uint16_t* p) { return bytes::ghalf8((const uint8_t*)p); }
+inline V fmadd(V a, V b, V c) { return bytes::gfmadd(a, b, c); }
+inline void store(float* p, V a) { bytes::gstore(p, a); }
+inline void hsum4(V a, V b, V c, V d, float* out) { bytes::ghsum4(a, b, c, d, out); }
+#endif
+}  // namespace av
 
-// Scores of RB rows (scaled queries qs, D = 8 C8 apart) against keys [0, m) of the chunk
+// Scores of RB rows (scaled queries qs, D = W C apart) against keys [0, m) of the chunk
 // (keys, D apart), into scores (CHUNK apart per row). KB keys at a time; a last partial group
 // repeats key m - 1 (each score depends on its own row and key only; the extra ones are dropped).
-template <int C8, int RB, class T>
+template <int C, int RB, class T>
 inline void score_block(const float* qs, const T* keys, int64_t m, float* scores, const T* values) {
-  using namespace bytes;
-  constexpr int D = 8 * C8, KB = RB <= 3 ? 4 : 2;
+  using namespace av;
+  constexpr int D = W * C, KB = RB * 5 + 1 <= 4 * RMAX ? 4 : 2;
   for (int64_t j0 = 0; j0 < m; j0 += KB) {
     const T* kp[KB];
     for (int k = 0; k < KB; ++k) kp[k] = keys + std::min(j0 + k, m - 1) * D;
     if (values != nullptr) fetch_ahead(keys + (j0 + KEYS_AHEAD) * D, values + j0 * D, KB * D * sizeof(T));
-    G acc[RB][KB];
+    V acc[RB][KB];
     for (int r = 0; r < RB; ++r)
-      for (int k = 0; k < KB; ++k) acc[r][k] = gzero();
-    for (int c = 0; c < C8; ++c) {
-      G q[RB];
-      for (int r = 0; r < RB; ++r) q[r] = gload(qs + r * D + 8 * c);
+      for (int k = 0; k < KB; ++k) acc[r][k] = zero();
+    for (int c = 0; c < C; ++c) {
+      V q[RB];
+      for (int r = 0; r < RB; ++r) q[r] = load(qs + r * D + W * c);
       for (int k = 0; k < KB; ++k) {
-        const G kv = kv8(kp[k] + 8 * c);
-        for (int r = 0; r < RB; ++r) acc[r][k] = gfmadd(q[r], kv, acc[r][k]);
+        const V x = kv(kp[k] + W * c);
+        for (int r = 0; r < RB; ++r) acc[r][k] = fmadd(q[r], x, acc[r][k]);
       }
     }
     for (int r = 0; r < RB; ++r) {
       float s[4];
-      if constexpr (KB == 4) ghsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s);
-      else ghsum4(acc[r][0], acc[r][1], gzero(), gzero(), s);
+      if constexpr (KB == 4) hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s);
+      else hsum4(acc[r][0], acc[r][1], zero(), zero(), s);
       for (int k = 0; k < KB && j0 + k < m; ++k) scores[r * CHUNK + j0 + k] = s[k];
     }
   }
 }
 
 // out_r = sum_j p_rj v_j over keys j < m in key order, for RB rows (weights at scores + r CHUNK,
-// sums at part + r (D + 2) + 2): VS 8-lane slices of the head dimension at a time, held in
-// registers for all m keys.
-template <int C8, int RB, class T>
+// sums at part + r (D + 2) + 2): VS vectors of the head dimension at a time, held in registers
+// for all m keys.
+template <int C, int RB, class T>
 inline void value_block(const float* scores, const T* values, int64_t m, float* part, const T* next_keys) {
-  using namespace bytes;
-  constexpr int D = 8 * C8, VS0 = RB <= 3 ? 4 : 2, VS = VS0 < C8 ? VS0 : C8;
-  for (int c0 = 0; c0 < C8; c0 += VS) {
-    G o[RB][VS];
+  using namespace av;
+  constexpr int D = W * C, VS0 = RB * 5 + 1 <= 4 * RMAX ? 4 : 2, VS = VS0 < C ? VS0 : C;
+  for (int c0 = 0; c0 < C; c0 += VS) {
+    V o[RB][VS];
     for (int r = 0; r < RB; ++r)
-      for (int c = 0; c < VS; ++c) o[r][c] = gzero();
+      for (int c = 0; c < VS; ++c) o[r][c] = zero();
     for (int64_t j = 0; j < m; ++j) {
       if (next_keys != nullptr && c0 == 0) fetch_ahead(next_keys + j * D, nullptr, D * sizeof(T));
-      G p[RB];
-      for (int r = 0; r < RB; ++r) p[r] = gset1(scores[r * CHUNK + j]);
+      V p[RB];
+      for (int r = 0; r < RB; ++r) p[r] = set1(scores[r * CHUNK + j]);
       for (int c = 0; c < VS; ++c) {
-        const G v = kv8(values + j * D + 8 * (c0 + c));
-        for (int r = 0; r < RB; ++r) o[r][c] = gfmadd(p[r], v, o[r][c]);
+        const V x = kv(values + j * D + W * (c0 + c));
+        for (int r = 0; r < RB; ++r) o[r][c] = fmadd(p[r], x, o[r][c]);
       }
     }
     for (int r = 0; r < RB; ++r)
-      for (int c = 0; c < VS; ++c) gstore(part + r * (D + 2) + 2 + 8 * (c0 + c), o[r][c]);
+      for (int c = 0; c < VS; ++c) store(part + r * (D + 2) + 2 + W * (c0 + c), o[r][c]);
   }
+}
+
+// score_block and value_block for rb (1..RMAX) rows.
+template <int C, class T, int RB = 1>
+inline void score_rows(int64_t rb, const float* qs, const T* keys, int64_t m, float* scores, const T* values) {
+  if constexpr (RB < av::RMAX) {
+    if (rb != RB) return score_rows<C, T, RB + 1>(rb, qs, keys, m, scores, values);
+  }
+  score_block<C, RB, T>(qs, keys, m, scores, values);
+}
+template <int C, class T, int RB = 1>
+inline void value_rows(int64_t rb, const float* scores, const T* values, int64_t m, float* part, const T* next_keys) {
+  if constexpr (RB < av::RMAX) {
+    if (rb != RB) return value_rows<C, T, RB + 1>(rb, scores, values, m, part, next_keys);
+  }
+  value_block<C, RB, T>(scores, values, m, part, next_keys);
 }
 
 // One item: rows r = t * G + g (token t sees keys lower[t] <= j < limit[t]) against keys
 // [c0, c1) of one key/value head. Writes per row: max, sum of exp(s - max), sum of exp(s - max) v
 // (D floats); max = -inf when the row sees none of the chunk.
-template <int C8, class T>
+template <int C, class T>
 void chunk(const float* qs, int64_t n, int64_t G, const int64_t* lower, const int64_t* limit, const T* keys,
            const T* values, int64_t c0, int64_t c1, float* scores, float* part, const T* next_keys) {
-  constexpr int D = 8 * C8;
+  constexpr int D = av::W * C;
   const int64_t S = c1 - c0;
   for (int64_t t = 0; t < n; ++t) {
     // The keys of this chunk token t sees: [lo, lo + seen) from c0.
@@ -124,8 +173,8 @@ void chunk(const float* qs, int64_t n, int64_t G, const int64_t* lower, const in
     const int64_t seen = std::max(std::min(std::max(limit[t] - c0, (int64_t)0), S) - lo, (int64_t)0);
     const T* k0 = keys + (c0 + lo) * D;
     const T* v0 = values + (c0 + lo) * D;
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-      const int64_t r = t * G + g0, rb = std::min<int64_t>(4, G - g0);
+    for (int64_t g0 = 0; g0 < G; g0 += av::RMAX) {
+      const int64_t r = t * G + g0, rb = std::min<int64_t>(av::RMAX, G - g0);
       float* pr = part + r * (D + 2);
       if (seen == 0) {
         for (int64_t i = 0; i < rb; ++i) { pr[i * (D + 2)] = -INFINITY; pr[i * (D + 2) + 1] = 0.0f; }
@@ -133,12 +182,7 @@ void chunk(const float* qs, int64_t n, int64_t G, const int64_t* lower, const in
       }
       float* sr = scores + r * CHUNK;
       const bool first = t == 0 && g0 == 0;  // the first rows through the chunk fetch it (the rest find it in cache)
-      switch (rb) {
-        case 1: score_block<C8, 1, T>(qs + r * D, k0, seen, sr, first ? v0 : nullptr); break;
-        case 2: score_block<C8, 2, T>(qs + r * D, k0, seen, sr, first ? v0 : nullptr); break;
-        case 3: score_block<C8, 3, T>(qs + r * D, k0, seen, sr, first ? v0 : nullptr); break;
-        default: score_block<C8, 4, T>(qs + r * D, k0, seen, sr, first ? v0 : nullptr); break;
-      }
+      score_rows<C, T>(rb, qs + r * D, k0, seen, sr, first ? v0 : nullptr);
       // Softmax pieces per row over its seen keys; a partial last vector is padded with -inf.
       for (int64_t i = 0; i < rb; ++i) {
         float* s = sr + i * CHUNK;
@@ -166,12 +210,7 @@ void chunk(const float* qs, int64_t n, int64_t G, const int64_t* lower, const in
         pr[i * (D + 2)] = top;
         pr[i * (D + 2) + 1] = hsum(total);
       }
-      switch (rb) {
-        case 1: value_block<C8, 1, T>(sr, v0, seen, pr, first ? next_keys : nullptr); break;
-        case 2: value_block<C8, 2, T>(sr, v0, seen, pr, first ? next_keys : nullptr); break;
-        case 3: value_block<C8, 3, T>(sr, v0, seen, pr, first ? next_keys : nullptr); break;
-        default: value_block<C8, 4, T>(sr, v0, seen, pr, first ? next_keys : nullptr); break;
-      }
+      value_rows<C, T>(rb, sr, v0, seen, pr, first ? next_keys : nullptr);
     }
   }
 }
@@ -183,11 +222,11 @@ using ChunkFn = void (*)(const float*, int64_t, int64_t, const int64_t*, const i
 template <class T>
 ChunkFn<T> pick(int64_t D) {
   switch (D) {
-    case 16: return chunk<2, T>;
-    case 32: return chunk<4, T>;
-    case 64: return chunk<8, T>;
-    case 128: return chunk<16, T>;
-    case 256: return chunk<32, T>;
+    case 16: return chunk<16 / av::W, T>;
+    case 32: return chunk<32 / av::W, T>;
+    case 64: return chunk<64 / av::W, T>;
+    case 128: return chunk<128 / av::W, T>;
+    case 256: return chunk<256 / av::W, T>;
     default: return nullptr;
   }
 }
