@@ -8,7 +8,7 @@ PORT   ?= 8000
 # The stamp is rebuilt when the dependency list changes; otherwise `make install` is a no-op.
 STAMP  := $(VENV)/.parrot-installed
 
-.PHONY: install serve test fuzz soak bench bench-ray bench-drafter bench-grammar bench-peers numerics bench-multiturn soak-prefix bench-tokenizer check-budgeting check-vocabs replay-grammar replay-sessions replay-tools survey-schemas clean
+.PHONY: install serve test fuzz soak bench bench-ray bench-drafter bench-grammar bench-peers numerics bench-multiturn soak-prefix bench-tokenizer check-budgeting check-vocabs replay-grammar replay-sessions replay-tools replay-drafting survey-schemas clean
 
 install: $(STAMP)
 
@@ -99,6 +99,11 @@ replay-sessions: install
 # Drafting inside tool-call arguments that copy a file, with a scripted model that makes the calls
 replay-tools: install
 	$(PY) -m loadtests.replay_tools
+
+# Drafter and draft-length variants replayed over a model's greedy chat answers, per task
+# (MODEL=qwen2.5-coder-1.5b for the real model; default the embedded one).
+replay-drafting: install
+	$(PY) -m loadtests.replay_drafting $(if $(MODEL),--model $(MODEL))
 
 # Real-world JSON schemas through the API (docs/PERFORMANCE.md, "Real-world schemas"): the 300 of
 # ../shared/data/schemas.jsonl, or SURVEY_ARGS="--set packages --strict absent,true" for the 110 Kubernetes

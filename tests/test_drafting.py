@@ -96,6 +96,42 @@ def test_suffix_drafter_follow_keeps_position_in_repeated_phrase():
     assert drafter.propose(2).tokens == [3, 5]
 
 
+def test_suffix_drafter_prefers_the_occurrence_after_the_last_confirmed_copy():
+    # The docstring's example of rule 2's cursor: a copy of [2, 3] confirmed up to position 3,
+    # then a 1-token match of [1] with continuations at 1, 5 and 8: the first after 3 wins.
+    drafter = SuffixDrafter([1, 2, 3, 4, 1, 5, 9, 1, 6, 0, 2], min_n=1, max_n=3)
+    assert drafter.propose(2).tokens == [3, 4]
+    drafter.extend([3, 8, 1])
+    assert drafter.propose(2).tokens == [5, 9]  # not [6, 0] (the most recent occurrence)
+    # Without a confirmed copy, the most recent occurrence.
+    drafter = SuffixDrafter([1, 2, 3, 4, 1, 5, 9, 1, 6, 0, 2, 7, 8, 1], min_n=1, max_n=3)
+    assert drafter.propose(2).tokens == [6, 0]
+    # No occurrence after the cursor: the most recent again.
+    drafter = SuffixDrafter([1, 5, 1, 6, 2, 3, 4, 0, 2], min_n=1, max_n=3)
+    assert drafter.propose(1).tokens == [3]
+    drafter.extend([3, 8, 1])
+    assert drafter.propose(1).tokens == [6]
+
+
+def test_suffix_drafter_cursor_in_a_context_document():
+    # The copy being confirmed is from the context document: its next match is taken after it
+    # there, and a cursor in one document does not steer lookups in another.
+    doc = [7, 1, 2, 3, 4, 1, 5, 6, 1, 9]
+    drafter = SuffixDrafter(min_n=1, max_n=2)
+    drafter.add_context(doc)
+    drafter.extend([0, 7])
+    assert drafter.propose(2).tokens == [1, 2]
+    drafter.extend([1, 2, 8, 1])  # confirmed [1, 2] (cursor at 3), then wrote 8
+    assert drafter.propose(1).tokens == [5]  # [1]'s continuations 2, 6, 9: the first after 3
+    other = SuffixDrafter(min_n=1, max_n=2)
+    other.add_context([1, 4])
+    other.add_context(doc)
+    other.extend([0, 7])
+    other.propose(2)
+    other.extend([1, 2, 8, 1])
+    assert other.propose(1).tokens == [5]  # the first document's [1] is before the cursor's document
+
+
 def test_incremental_suffix_index_equals_rebuilt_index():
     rng = random.Random(0)
     tokens = [rng.randrange(6) for _ in range(400)]
