@@ -98,20 +98,23 @@ struct XU {
   }
 };
 
-// The `bytes` of packed weights at blk, fetched ahead of a tile's reads. A tile of several rows
-// of x fetches AHEAD (4 KB) into L1. A one-row tile (a decoding pass) is different: it spends
-// little time per byte, so the hardware prefetcher's few misses in flight leave the core waiting,
-// and near fetches only added to them (1B Q4_K_M one-token pass 10% faster without, AVX2
-// EPYC). Fetched FAR_AHEAD (32 KB, into L2) instead, one-row passes over 0.5-0.7 GB of weights
-// went from 64-68% to 74-81% (Q4_K, Q6_K; avx512 build) and 67-73% to 82-87% (avx2 build) of the
-// read bandwidth the probe measures (Intel Xeon, 2 threads); 4 KB into L1 was slower than none.
-// Past a group's end this fetches the next groups, which the same thread reads next.
+// The `bytes` of packed weights at blk, fetched ahead of a tile's reads. A call over many rows of
+// x (a prompt chunk) fetches AHEAD (4 KB) into L1. A call whose rows fit one tile (a decoding or
+// verifying pass) is different: it reads each weight once from memory and spends little time per
+// byte, so the hardware prefetcher's few misses in flight leave the core waiting, and near
+// fetches only added to them (1B Q4_K_M one-token pass 10% faster without, AVX2 EPYC). Fetched
+// FAR_AHEAD (32 KB, into L2) instead, one-row passes over 0.5-0.7 GB of weights went from 64-68%
+// to 74-81% (Q4_K, Q6_K; avx512 build) and 67-73% to 82-87% (avx2 build) of the read bandwidth
+// the probe measures (Intel Xeon, 2 threads); 4 KB into L1 was slower than none. Passes over 2-8
+// tokens (verifying drafts) fetched near until 2026-11-27; far, Qwen2.5-Coder-1.5B's 2-token pass
+// at 512 tokens of context went 55.7-57.3 -> 52.0 ms, 4 tokens 62.7 -> 59.7-60.0 ms, 8 tokens
+// the same (amx set, Intel Xeon). Past a group's end this fetches the next groups, which the same
+// thread reads next.
 constexpr int64_t FAR_AHEAD = 32768;
-template <int MT>
-inline void fetch_ahead(const uint8_t* blk, int64_t bytes) {
+inline void fetch_ahead(const uint8_t* blk, int64_t bytes, bool far) {
   for (int64_t o = 0; o < bytes; o += 64) {
-    if constexpr (MT > 1) __builtin_prefetch(blk + AHEAD + o);
-    else __builtin_prefetch(blk + FAR_AHEAD + o, 0, 2);
+    if (far) __builtin_prefetch(blk + FAR_AHEAD + o, 0, 2);
+    else __builtin_prefetch(blk + AHEAD + o);
   }
 }
 
@@ -147,9 +150,11 @@ Tiles group_tiles(const uint8_t* packed, int64_t stride, int64_t M, int64_t N, R
           (N + 7) / 8};
 }
 
-// MT rows of x (from `row`) against one group of 8 weight rows (outputs n .. n + valid - 1).
+// MT rows of x (from `row`) against one group of 8 weight rows (outputs n .. n + valid - 1);
+// `far`: the call's rows fit one tile (fetch_ahead).
 template <int MT, class W>
-inline void ptile(const uint8_t* group, const XU& x, int64_t row, int64_t n, int64_t valid, float* y, int64_t ldy) {
+inline void ptile(const uint8_t* group, const XU& x, int64_t row, int64_t n, int64_t valid, float* y, int64_t ldy,
+                  bool far) {
   using namespace bytes;
   using P = Pack<W>;
   const int64_t units = x.units;
@@ -166,7 +171,7 @@ inline void ptile(const uint8_t* group, const XU& x, int64_t row, int64_t n, int
   }
   for (int64_t b = 0; b < units; ++b) {
     const uint8_t* blk = group + b * P::BYTES;
-    fetch_ahead<MT>(blk, P::BYTES);
+    fetch_ahead(blk, P::BYTES, far);
     S sum[MT];
     if constexpr (W::BITS == 8) {
       for (int i = 0; i < MT; ++i) sum[i] = szero();
@@ -204,7 +209,7 @@ inline void ptile(const uint8_t* group, const XU& x, int64_t row, int64_t n, int
 template <class W>
 Tiles linear_packed(const W& w, const uint8_t* packed, const XU& x, int64_t M, float* y, int64_t N, int64_t ldy) {
   return group_tiles(packed, (w.K / 32) * Pack<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid) {
-    ptile<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy);
+    ptile<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy, M <= TILE_ROWS);
   });
 }
 
@@ -360,9 +365,11 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, int64_t sb, byte
 }
 #endif
 
-// MT rows of x (from `row`) against one group of 8 weight rows, a super-block at a time.
+// MT rows of x (from `row`) against one group of 8 weight rows, a super-block at a time; `far`:
+// the call's rows fit one tile (fetch_ahead).
 template <int MT, class W>
-inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, int64_t valid, float* y, int64_t ldy) {
+inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, int64_t valid, float* y, int64_t ldy,
+                   bool far) {
   using namespace bytes;
   using P = KLayout<W>;
   const int64_t supers = x.supers;
@@ -371,7 +378,7 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
   for (int i = 0; i < MT; ++i) { acc[i] = gzero(); xa[i] = x.arranged(P::G) + (row + i) * supers * 256; }
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* blk = group + sb * P::BYTES;
-    fetch_ahead<MT>(blk, P::BYTES);
+    fetch_ahead(blk, P::BYTES, far);
     S total[MT];
 #if defined(PARROT_AVX512)
     kpairs<MT, P>(blk, xa, sb, total);
@@ -419,7 +426,7 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
 template <class W>
 Tiles linear_kpacked(const W& w, const uint8_t* packed, const XK& x, int64_t M, float* y, int64_t N, int64_t ldy) {
   return group_tiles(packed, (w.K / 256) * KLayout<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid) {
-    kptile<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy);
+    kptile<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy, M <= TILE_ROWS);
   });
 }
 
