@@ -51,40 +51,31 @@ inline void fetch_ahead(const void* keys, const void* values, int64_t bytes) {
   }
 }
 
-// The head dimension's vectors. The AVX-512 builds use 16 lanes and take up to 8 rows of a
-// token through a chunk together (32 registers); the others 8 lanes and 4 rows (16 registers).
-// A one-token pass of Qwen2.5-1.5B (6 query heads per key/value head, head size 128) at 4,096
-// positions was arithmetic-bound in 8 lanes and 4 rows: 5.8 ms of 28 layers with the cache in
-// cache, 7.9 ms streaming it (15 GB/s of a 29 GB/s machine; Intel Xeon, AVX-512).
+// The head dimension's vectors: simd.h's F (16 lanes in the AVX-512 builds, 8 in the others),
+// with up to RMAX rows of a token through a chunk together (8 with AVX-512's 32 registers, 4 with
+// 16). A one-token pass of Qwen2.5-1.5B (6 query heads per key/value head, head size 128) at
+// 4,096 positions was arithmetic-bound in 8 lanes and 4 rows: 5.8 ms of 28 layers with the cache
+// in cache, 7.9 ms streaming it (15 GB/s of a 29 GB/s machine; Intel Xeon, AVX-512).
 namespace av {
-#if defined(PARROT_AVX512)
-struct V { __m512 v; };
-constexpr int W = 16, RMAX = 8;
-inline V zero() { return {_mm512_setzero_ps()}; }
-inline V set1(float a) { return {_mm512_set1_ps(a)}; }
-inline V load(const float* p) { return {_mm512_loadu_ps(p)}; }
+using V = F;
+constexpr int W = L, RMAX = REGISTERS / 4;
+// Whether RB rows fit 4 keys (or value slices) at a time in registers: an accumulator per row
+// and key, a query (or weight) per row, and the key.
+constexpr bool four_wide(int RB) { return RB * 5 + 1 <= REGISTERS; }
 inline V kv(const float* p) { return load(p); }
-inline V kv(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
-inline V fmadd(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-inline void store(float* p, V a) { _mm512_storeu_ps(p, a.v); }
-inline __m256 fold(V a) {  // lanes i + (i + 8)
-  return _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
-}
+inline V kv(const uint16_t* p) { return load_f16((const uint8_t*)p); }
+// The sums of 4 vectors across their lanes, in a fixed order (bytes::ghsum4's, after adding
+// lanes i and i + 8 in the AVX-512 builds).
 inline void hsum4(V a, V b, V c, V d, float* out) {
-  bytes::ghsum4({fold(a)}, {fold(b)}, {fold(c)}, {fold(d)}, out);
-}
+#if defined(PARROT_AVX512)
+  const auto fold = [](V x) {
+    return bytes::G{_mm256_add_ps(_mm512_castps512_ps256(x.v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1)))};
+  };
+  bytes::ghsum4(fold(a), fold(b), fold(c), fold(d), out);
 #else
-using V = bytes::G;
-constexpr int W = 8, RMAX = 4;
-inline V zero() { return bytes::gzero(); }
-inline V set1(float a) { return bytes::gset1(a); }
-inline V load(const float* p) { return bytes::gload(p); }
-inline V kv(const float* p) { return bytes::gload(p); }
-inline V kv(const uint16_t* p) { return bytes::ghalf8((const uint8_t*)p); }
-inline V fmadd(V a, V b, V c) { return bytes::gfmadd(a, b, c); }
-inline void store(float* p, V a) { bytes::gstore(p, a); }
-inline void hsum4(V a, V b, V c, V d, float* out) { bytes::ghsum4(a, b, c, d, out); }
+  bytes::ghsum4({a.v}, {b.v}, {c.v}, {d.v}, out);
 #endif
+}
 }  // namespace av
 
 // Scores of RB rows (scaled queries qs, D = W C apart) against keys [0, m) of the chunk
@@ -93,7 +84,7 @@ inline void hsum4(V a, V b, V c, V d, float* out) { bytes::ghsum4(a, b, c, d, ou
 template <int C, int RB, class T>
 inline void score_block(const float* qs, const T* keys, int64_t m, float* scores, const T* values) {
   using namespace av;
-  constexpr int D = W * C, KB = RB * 5 + 1 <= 4 * RMAX ? 4 : 2;
+  constexpr int D = W * C, KB = four_wide(RB) ? 4 : 2;
   for (int64_t j0 = 0; j0 < m; j0 += KB) {
     const T* kp[KB];
     for (int k = 0; k < KB; ++k) kp[k] = keys + std::min(j0 + k, m - 1) * D;
@@ -124,7 +115,7 @@ inline void score_block(const float* qs, const T* keys, int64_t m, float* scores
 template <int C, int RB, class T>
 inline void value_block(const float* scores, const T* values, int64_t m, float* part, const T* next_keys) {
   using namespace av;
-  constexpr int D = W * C, VS0 = RB * 5 + 1 <= 4 * RMAX ? 4 : 2, VS = VS0 < C ? VS0 : C;
+  constexpr int D = W * C, VS0 = four_wide(RB) ? 4 : 2, VS = VS0 < C ? VS0 : C;
   for (int c0 = 0; c0 < C; c0 += VS) {
     V o[RB][VS];
     for (int r = 0; r < RB; ++r)

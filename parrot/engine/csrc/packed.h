@@ -107,8 +107,8 @@ struct XU {
 // to 74-81% (Q4_K, Q6_K; avx512 build) and 67-73% to 82-87% (avx2 build) of the read bandwidth
 // the probe measures (Intel Xeon, 2 threads); 4 KB into L1 was slower than none. Passes over 2-8
 // tokens (verifying drafts) fetched near until 2026-11-27; far, Qwen2.5-Coder-1.5B's 2-token pass
-// at 512 tokens of context went 55.7-57.3 -> 52.0 ms, 4 tokens 62.7 -> 59.7-60.0 ms, 8 tokens
-// the same (amx set, Intel Xeon). Past a group's end this fetches the next groups, which the same
+// at 512 tokens of context went 55.3-58.6 -> 53.4-53.5 ms, 3 and 4 tokens 0-6% faster, 6-8 the
+// same (amx set, Intel Xeon). Past a group's end this fetches the next groups, which the same
 // thread reads next.
 constexpr int64_t FAR_AHEAD = 32768;
 inline void fetch_ahead(const uint8_t* blk, int64_t bytes, bool far) {
@@ -135,23 +135,26 @@ constexpr int TILE_ROWS = simd::REGISTERS >= 32 ? 8 : 4;
 
 // One tile per group of 8 weight rows (`stride` bytes apart in `packed`), all M rows of x through
 // it TILE_ROWS at a time:
-// run(MT, group, row, n, valid) computes rows row .. row + MT - 1 against the group of outputs n ...
+// run(MT, group, row, n, valid, far) computes rows row .. row + MT - 1 against the group of outputs
+// n .. n + valid - 1; `far`: all M rows fit one tile, which then reads each weight once
+// (fetch_ahead).
 template <class Run>
 Tiles group_tiles(const uint8_t* packed, int64_t stride, int64_t M, int64_t N, Run run) {
   return {[=](int64_t g) {
             const uint8_t* group = packed + g * stride;
             const int64_t n = g * 8, valid = std::min<int64_t>(8, N - n);
+            const bool far = M <= TILE_ROWS;
             int64_t i = 0;
-            for (; i + TILE_ROWS <= M; i += TILE_ROWS) run(std::integral_constant<int, TILE_ROWS>{}, group, i, n, valid);
+            for (; i + TILE_ROWS <= M; i += TILE_ROWS) run(std::integral_constant<int, TILE_ROWS>{}, group, i, n, valid, far);
             [&]<int... R>(std::integer_sequence<int, R...>) {  // the last M - i < TILE_ROWS rows, one tile
-              ((M - i == R + 1 ? run(std::integral_constant<int, R + 1>{}, group, i, n, valid) : void()), ...);
+              ((M - i == R + 1 ? run(std::integral_constant<int, R + 1>{}, group, i, n, valid, far) : void()), ...);
             }(std::make_integer_sequence<int, TILE_ROWS - 1>{});
           },
           (N + 7) / 8};
 }
 
 // MT rows of x (from `row`) against one group of 8 weight rows (outputs n .. n + valid - 1);
-// `far`: the call's rows fit one tile (fetch_ahead).
+// `far` as group_tiles passes it.
 template <int MT, class W>
 inline void ptile(const uint8_t* group, const XU& x, int64_t row, int64_t n, int64_t valid, float* y, int64_t ldy,
                   bool far) {
@@ -208,8 +211,8 @@ inline void ptile(const uint8_t* group, const XU& x, int64_t row, int64_t n, int
 
 template <class W>
 Tiles linear_packed(const W& w, const uint8_t* packed, const XU& x, int64_t M, float* y, int64_t N, int64_t ldy) {
-  return group_tiles(packed, (w.K / 32) * Pack<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid) {
-    ptile<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy, M <= TILE_ROWS);
+  return group_tiles(packed, (w.K / 32) * Pack<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid, bool far) {
+    ptile<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy, far);
   });
 }
 
@@ -365,8 +368,8 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, int64_t sb, byte
 }
 #endif
 
-// MT rows of x (from `row`) against one group of 8 weight rows, a super-block at a time; `far`:
-// the call's rows fit one tile (fetch_ahead).
+// MT rows of x (from `row`) against one group of 8 weight rows, a super-block at a time; `far`
+// as group_tiles passes it.
 template <int MT, class W>
 inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, int64_t valid, float* y, int64_t ldy,
                    bool far) {
@@ -425,8 +428,8 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
 
 template <class W>
 Tiles linear_kpacked(const W& w, const uint8_t* packed, const XK& x, int64_t M, float* y, int64_t N, int64_t ldy) {
-  return group_tiles(packed, (w.K / 256) * KLayout<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid) {
-    kptile<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy, M <= TILE_ROWS);
+  return group_tiles(packed, (w.K / 256) * KLayout<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid, bool far) {
+    kptile<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy, far);
   });
 }
 
