@@ -80,3 +80,42 @@ def test_a_second_conversion_into_the_same_cache_directory_lands_beside_the_firs
         assert not staging.exists()
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert (target / "model.safetensors").read_text() == "second" and (target / "tokenizer.json").read_text() == "first"
+
+
+def test_a_new_conversion_removes_the_stale_copies_of_its_file(tmp_path, monkeypatch):
+    # Reinstalling a model's package (a new modification time) or a new conversion version gives
+    # the same file a new cache key; the old copy, up to 600 MB, would never be read again.
+    from parrot.engine import hf_loading
+    from parrot.engine.source import ModelSource
+
+    monkeypatch.setenv("PARROT_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "models" / "m.gguf"
+    model.parent.mkdir()
+    other = tmp_path / "models" / "other.gguf"
+    gone = tmp_path / "models" / "gone.gguf"
+    for path in (model, other, gone):
+        path.write_bytes(b"GGUF")
+    source = ModelSource(str(model.parent), "m.gguf")
+
+    def convert(src: ModelSource) -> str:
+        target = hf_loading._conversion_dir(src)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        staging = os.path.join(os.path.dirname(target), ".converting-x")
+        os.mkdir(staging)
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            f.write("{}")
+        hf_loading._publish(staging, target, last="config.json", source=src)
+        return target
+
+    first = convert(source)
+    kept = convert(ModelSource(str(model.parent), "other.gguf"))
+    stale_gone = convert(ModelSource(str(model.parent), "gone.gguf"))
+    unrecorded = os.path.join(os.path.dirname(first), "older-0123456789abcdef")  # made before copies recorded their file
+    os.makedirs(unrecorded)
+    gone.unlink()
+    os.utime(model, ns=(1, 1))  # the package reinstalled: same path, another key
+    second = convert(source)
+    assert second != first and os.path.isfile(os.path.join(second, "config.json"))
+    assert not os.path.exists(first) and not os.path.exists(stale_gone)
+    assert os.path.isdir(kept) and os.path.isdir(unrecorded)
+    assert hf_loading._recorded_source(second)["path"] == os.path.realpath(model)

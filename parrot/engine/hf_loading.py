@@ -39,13 +39,48 @@ log = logging.getLogger("parrot.engine")
 CONVERSION_VERSION = 7
 
 
-def _conversion_dir(source: ModelSource) -> str:
-    """Where the converted copy of a GGUF goes: keyed by its path, size and modification time."""
+# Written into each converted copy: the file it was made from (what its key hashes), so that
+# copies no load will read again can be found and removed (_remove_stale).
+SOURCE_FILE = "source.json"
+
+
+def _source_stamp(source: ModelSource) -> dict[str, Any]:
     path = os.path.realpath(os.path.join(source.path, source.gguf_file or ""))
     stat = os.stat(path)
-    stamp = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERSION_VERSION}"
-    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    return {"path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "version": CONVERSION_VERSION}
+
+
+def _conversion_dir(source: ModelSource) -> str:
+    """Where the converted copy of a GGUF goes: keyed by its path, size and modification time."""
+    stamp = _source_stamp(source)
+    key = hashlib.sha256("|".join(str(stamp[k]) for k in ("path", "size", "mtime_ns", "version")).encode()).hexdigest()[:16]
     return os.path.join(cache_root(), "converted", f"{source.display_name}-{key}")
+
+
+def _recorded_source(directory: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(directory, SOURCE_FILE)) as f:
+            recorded = json.load(f)
+        return recorded if isinstance(recorded, dict) and isinstance(recorded.get("path"), str) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _remove_stale(target: str) -> None:
+    """Remove the other converted copies of ``target``'s file (the file changed since, e.g. its
+    package was reinstalled, or Parrot's conversion did) and those whose file is gone. None of them
+    would be read again, and each can hold the weights in float32 (600 MB for the embedded model).
+    Copies without a record (made before it was written) are left alone."""
+    mine = _recorded_source(target)
+    if mine is None:
+        return
+    root = os.path.dirname(target)
+    for name in sorted(os.listdir(root)):
+        other = os.path.join(root, name)
+        recorded = None if name.startswith(".") or other == target else _recorded_source(other)
+        if recorded is not None and (recorded["path"] == mine["path"] or not os.path.exists(recorded["path"])):
+            shutil.rmtree(other, ignore_errors=True)
+            log.info("removed %s from the conversion cache: a stale copy of %s", name, recorded["path"])
 
 
 def _save_tokenizer(tokenizer: Tokenizer, directory: str) -> None:
@@ -55,13 +90,18 @@ def _save_tokenizer(tokenizer: Tokenizer, directory: str) -> None:
     write_merges_as_strings(os.path.join(directory, "tokenizer.json"))
 
 
-def _publish(staging: str, target: str, last: str) -> None:
+def _publish(staging: str, target: str, last: str, source: ModelSource | None = None) -> None:
     """Move a conversion from ``staging`` into the cache at ``target``: the whole directory where
     there is none yet, else file by file with ``last`` (the file whose presence means "done")
     moved last. Both conversions (the kernels' tokenizer and config, transformers' full model)
-    share one directory per file, and whichever runs second must not fail on the first's."""
+    share one directory per file, and whichever runs second must not fail on the first's. With
+    ``source``, a new directory records it and the stale copies of the same file are removed."""
     if not os.path.isdir(target):
+        if source is not None:
+            with open(os.path.join(staging, SOURCE_FILE), "w") as f:
+                json.dump(_source_stamp(source), f)
         os.replace(staging, target)
+        _remove_stale(target)
         return
     names = sorted(os.listdir(staging), key=lambda name: name == last)
     for name in names:
@@ -98,7 +138,7 @@ def _load_gguf_converted(source: ModelSource, dtype: torch.dtype) -> tuple[Token
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(config, f)
         _save_tokenizer(tokenizer, staging)
-        _publish(staging, target, last="model.safetensors")
+        _publish(staging, target, last="model.safetensors", source=source)
     except OSError as exc:
         log.warning("could not cache the converted model in %s (%s); the next load converts again", target, exc)
         if staging is not None:
@@ -219,7 +259,7 @@ def convert_gguf_metadata(source: ModelSource) -> tuple[Tokenizer, Any]:
         staging = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".converting-")
         config.save_pretrained(staging)
         _save_tokenizer(tokenizer, staging)
-        _publish(staging, target, last="config.json")
+        _publish(staging, target, last="config.json", source=source)
     except OSError as exc:
         log.warning("could not cache the tokenizer and config in %s (%s)", target, exc)
     return tokenizer, config
