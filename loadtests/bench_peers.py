@@ -13,7 +13,9 @@ packages into the cache on first use).
    rows of each file), greedy, streamed chat, interleaved: each prompt goes to every system
    before the next prompt, in an order that rotates, so that load from neighbours spreads evenly.
    Each prompt runs twice per system: with ``ignore_eos`` (every system writes exactly
-   ``--max-tokens`` tokens: the decode rates compare equal lengths; decode tokens/s is the
+   ``--max-tokens`` tokens: the decode rates compare equal lengths; Parrot with a -100
+   ``logit_bias`` on its end-of-generation tokens too, since llama.cpp's ``ignore_eos`` bans its
+   own, and Parrot's, as vLLM's, would write them and go on past the end of the turn; decode tokens/s is the
    tokens after the first over the time after the first, and the first chunk is one token on
    both sides: neither drafts in the pass that reads the prompt) and to its natural stop
    (end-to-end tokens/s and time to first token), per task and over the copy tasks.
@@ -54,6 +56,15 @@ COPY_TASKS = TASKS[:4]
 # a default-polling llama-server ran at 2-20 tokens/s instead of 70-80).
 LLAMA_MODES = {"llama_plain": [], "llama_ngram_simple": ["--spec-type", "ngram-simple"],
                "llama_ngram_mod": ["--spec-type", "ngram-mod"]}
+
+
+def end_of_generation_bias(source: Any) -> dict[str, float]:
+    """logit_bias that keeps Parrot from writing the tokens it stops at (its tokenizer's
+    end-of-generation ids), as llama.cpp's ignore_eos keeps llama.cpp from writing its own."""
+    from parrot.engine.hf_loading import gguf_tokenizer_and_config
+
+    tokenizer, _ = gguf_tokenizer_and_config(source)
+    return {str(token): -100.0 for token in sorted(tokenizer.eos_token_ids)}
 
 
 def held_out_prompts(task: str, n: int) -> list[dict[str, Any]]:
@@ -228,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
             "parrot_on": (parrot.url, {"speculation": {"enabled": True}}),
             "parrot_off": (parrot.url, {"speculation": {"enabled": False}}),
         }
+        # The equal-length runs: llama.cpp's ignore_eos puts a -inf logit bias on every
+        # end-of-generation token (common.cpp, logit_bias_eog), so its text goes on with the
+        # answer; Parrot's, as vLLM's, lets the model end its turn and write on past it. Parrot
+        # gets a -100 bias on its own end-of-generation tokens, so both write the same kind of text.
+        info["parrot_ignore_eos_bias"] = ban = end_of_generation_bias(source)
+        equal_length = {name: {"ignore_eos": True, **({"logit_bias": ban} if name.startswith("parrot") else {})}
+                        for name in ["parrot_on", "parrot_off", *(s.name for s in servers[1:])]}
         # Each prompt goes to every system twice (equal lengths, then the natural stop): llama.cpp
         # would answer the second from its prompt cache, which Parrot runs without here.
         systems.update({s.name: (s.url, {"cache_prompt": False}) for s in servers[1:]})
@@ -241,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             entry = {"task": task, "id": row["id"], "runs": {}, "natural": {}}
             for name in order:
                 url, extra = systems[name]
-                entry["runs"][name] = stream_chat(url, row["prompt"], args.max_tokens, {**extra, "ignore_eos": True},
+                entry["runs"][name] = stream_chat(url, row["prompt"], args.max_tokens, {**extra, **equal_length[name]},
                                                    args.completion)
                 entry["natural"][name] = stream_chat(url, row["prompt"], args.max_tokens, extra, args.completion)
             lengths = {r["tokens"] for r in entry["runs"].values()}
@@ -315,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 def render(result: dict[str, Any]) -> str:
     summary, names = result["summary"], result["systems"]
     lines = [f"CPU: {result['cpu']}; Parrot kernels: {result['kernel_set']}; {result['date']}", "",
-             f"Decode rates over equal lengths ({result['max_tokens']} tokens, ignore_eos on every system); "
+             f"Decode rates over equal lengths ({result['max_tokens']} tokens, ignore_eos on every system, Parrot's end-of-generation tokens banned as llama.cpp's ignore_eos bans its own); "
              "end-to-end and time to first token to natural stops.", "",
              "| system | copy tasks decode tok/s | copy e2e tok/s | open chat decode tok/s | open chat e2e tok/s | copy TTFT s |",
              "|---|---:|---:|---:|---:|---:|"]
