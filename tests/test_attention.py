@@ -118,6 +118,17 @@ def test_unsupported_head_shapes_are_declined(isa):
     assert not supports(64, 9, 2)  # heads not a multiple of kv heads
 
 
+def test_a_float16_cache_is_refused_not_read_as_float32():
+    # The library's attention entry reads float32; float16 keys read as float32 gave values of 1e27.
+    q = torch.randn(4, 4, 64)
+    k = v = torch.randn(2, 8, 64)
+    kernel = kernels()
+    assert kernel is not None
+    kernel.attention(q, k, v, 8, 0.125)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.attention(q, k.half(), v.half(), 8, 0.125)
+
+
 @each_isa
 def test_forward_logits_of_a_token_do_not_depend_on_the_draft_fed_with_it(isa):
     # float32 weights (no GGUF blocks): oneDNN linears and the attention kernel

@@ -258,6 +258,8 @@ class Kernels:
             raise ValueError(f"unsupported attention shape q {tuple(q.shape)}, k {tuple(k.shape)}")
         if not (1 <= n <= end <= capacity) or not (k.is_contiguous() and v.is_contiguous()):
             raise ValueError(f"bad query count {n} or cache length {end} (capacity {capacity})")
+        if not q.dtype == k.dtype == v.dtype == torch.float32:  # the library reads float32 (a float16 cache is the compiled pass's)
+            raise ValueError(f"attention reads float32 tensors, not q {q.dtype}, k {k.dtype}, v {v.dtype}")
         q = q.contiguous()
         out = q.new_empty(n, heads * dim)
         self._lib.parrot_attention(q.data_ptr(), n, heads, dim, k.data_ptr(), v.data_ptr(), kv_heads, capacity, end,

@@ -561,12 +561,22 @@ class LlamaForward:
         if positions <= self._rope_rows:
             return
         end = min(self.max_positions, -(-positions // 256) * 256)
-        with torch.inference_mode():
-            rows = torch.from_numpy(np.arange(self._rope_rows, end)).to(self.device)[None]
-            for kind, rotary in self._rotaries.items():
-                cos, sin = rotary(torch.empty(1, dtype=self.dtype, device=self.device), rows)
-                self._tables[kind][0][self._rope_rows : end] = cos[0]
-                self._tables[kind][1][self._rope_rows : end] = sin[0]
+        # On one thread: the first torch.cos of a process, split over two OpenMP threads, now and
+        # then gave the second thread's half errors up to 1.5e-4 instead of 4e-8 (torch 2.13.0,
+        # Intel Xeon, 2 threads: 4 processes of 20; later calls were exact). Rows 128-255 of the
+        # table, computed at load, then stayed wrong for the process's life, so the same prompt's
+        # logits differed between two server starts.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.inference_mode():
+                rows = torch.from_numpy(np.arange(self._rope_rows, end)).to(self.device)[None]
+                for kind, rotary in self._rotaries.items():
+                    cos, sin = rotary(torch.empty(1, dtype=self.dtype, device=self.device), rows)
+                    self._tables[kind][0][self._rope_rows : end] = cos[0]
+                    self._tables[kind][1][self._rope_rows : end] = sin[0]
+        finally:
+            torch.set_num_threads(threads)
         self._rope_rows = end
 
     def _linears(self) -> list[Linear]:
