@@ -244,11 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         # answer; Parrot's, as vLLM's, lets the model end its turn and write on past it. Parrot
         # gets a -100 bias on its own end-of-generation tokens, so both write the same kind of text.
         info["parrot_ignore_eos_bias"] = ban = end_of_generation_bias(source)
-        equal_length = {name: {"ignore_eos": True, **({"logit_bias": ban} if name.startswith("parrot") else {})}
-                        for name in ["parrot_on", "parrot_off", *(s.name for s in servers[1:])]}
         # Each prompt goes to every system twice (equal lengths, then the natural stop): llama.cpp
         # would answer the second from its prompt cache, which Parrot runs without here.
         systems.update({s.name: (s.url, {"cache_prompt": False}) for s in servers[1:]})
+        equal_length = {name: {"ignore_eos": True, **({"logit_bias": ban} if name.startswith("parrot") else {})}
+                        for name in systems}
         names = list(systems)
 
         # 1. Side by side, interleaved per prompt.

@@ -66,19 +66,16 @@ def _recorded_source(directory: str) -> dict[str, Any] | None:
         return None
 
 
-def _remove_stale(target: str) -> None:
-    """Remove the other converted copies of ``target``'s file (the file changed since, e.g. its
-    package was reinstalled, or Parrot's conversion did) and those whose file is gone. None of them
-    would be read again, and each can hold the weights in float32 (600 MB for the embedded model).
-    Copies without a record (made before it was written) are left alone."""
-    mine = _recorded_source(target)
-    if mine is None:
-        return
+def _remove_stale(target: str, path: str) -> None:
+    """Remove the other converted copies of ``path``, the file ``target`` was made from (the file
+    changed since, e.g. its package was reinstalled, or Parrot's conversion did), and those whose
+    file is gone. None of them would be read again, and each can hold the weights in float32 (600
+    MB for the embedded model). Copies without a record (made before it was written) are left alone."""
     root = os.path.dirname(target)
     for name in sorted(os.listdir(root)):
         other = os.path.join(root, name)
         recorded = None if name.startswith(".") or other == target else _recorded_source(other)
-        if recorded is not None and (recorded["path"] == mine["path"] or not os.path.exists(recorded["path"])):
+        if recorded is not None and (recorded["path"] == path or not os.path.exists(recorded["path"])):
             shutil.rmtree(other, ignore_errors=True)
             log.info("removed %s from the conversion cache: a stale copy of %s", name, recorded["path"])
 
@@ -97,11 +94,13 @@ def _publish(staging: str, target: str, last: str, source: ModelSource | None = 
     share one directory per file, and whichever runs second must not fail on the first's. With
     ``source``, a new directory records it and the stale copies of the same file are removed."""
     if not os.path.isdir(target):
-        if source is not None:
+        stamp = _source_stamp(source) if source is not None else None
+        if stamp is not None:
             with open(os.path.join(staging, SOURCE_FILE), "w") as f:
-                json.dump(_source_stamp(source), f)
+                json.dump(stamp, f)
         os.replace(staging, target)
-        _remove_stale(target)
+        if stamp is not None:
+            _remove_stale(target, stamp["path"])
         return
     names = sorted(os.listdir(staging), key=lambda name: name == last)
     for name in names:
