@@ -204,7 +204,7 @@ def test_wide_k_quant_kernels_equal_the_avx2_steps(isa, kind):
         pytest.skip("the OS did not grant the AMX tile registers")
     blocks, _ = _random_blocks(kind, 40, 5 * 256, seed=6)
     generator = torch.Generator().manual_seed(6)
-    for rows in (1, 2, 3, 4, 7, 9, 16, 17, 40, 48, 49, 81):
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40, 48, 49, 81):
         x = torch.randn(rows, 5 * 256, generator=generator) * 3
         wide = kernels(isa).linear(x, BlockWeight(kind, blocks.data.clone()), q8=True)
         if isa == "avx2":

@@ -132,23 +132,30 @@ inline void store_group(const bytes::G* acc, float* y, int64_t ldy, int64_t vali
 // weights and x's bytes), 8 with AVX-512's 32, which halves the weights' unpacking per row of x
 // (Qwen2.5-Coder-1.5B, a 512-token prompt chunk: 3.26-3.32 s against 3.58-3.68 s, Intel Xeon).
 constexpr int TILE_ROWS = simd::REGISTERS >= 32 ? 8 : 4;
+// The K-quant tiles take 8 rows in every build. With 16 registers some of a row's sums spill to
+// L1, but a pass over 5-8 tokens (verifying drafts) then unpacks each weight once instead of
+// twice: Qwen2.5-Coder-1.5B at 512 tokens of context, avx2 set, 5 / 6 / 8 tokens 1.60 / 1.79 /
+// 2.11x a one-token pass -> 1.39 / 1.52 / 1.79x, 1-4 tokens the same, a 512-token prompt chunk
+// 3.98 -> 3.87 s (Intel Xeon). The 32-weight formats' tiles (the embedded model's Q4_1) were no
+// faster at 8 in that build, so they keep TILE_ROWS.
+constexpr int KTILE_ROWS = 8;
 
 // One tile per group of 8 weight rows (`stride` bytes apart in `packed`), all M rows of x through
-// it TILE_ROWS at a time:
+// it ROWS at a time:
 // run(MT, group, row, n, valid, far) computes rows row .. row + MT - 1 against the group of outputs
 // n .. n + valid - 1; `far`: all M rows fit one tile, which then reads each weight once
 // (fetch_ahead).
-template <class Run>
+template <int ROWS = TILE_ROWS, class Run>
 Tiles group_tiles(const uint8_t* packed, int64_t stride, int64_t M, int64_t N, Run run) {
   return {[=](int64_t g) {
             const uint8_t* group = packed + g * stride;
             const int64_t n = g * 8, valid = std::min<int64_t>(8, N - n);
-            const bool far = M <= TILE_ROWS;
+            const bool far = M <= ROWS;
             int64_t i = 0;
-            for (; i + TILE_ROWS <= M; i += TILE_ROWS) run(std::integral_constant<int, TILE_ROWS>{}, group, i, n, valid, far);
-            [&]<int... R>(std::integer_sequence<int, R...>) {  // the last M - i < TILE_ROWS rows, one tile
+            for (; i + ROWS <= M; i += ROWS) run(std::integral_constant<int, ROWS>{}, group, i, n, valid, far);
+            [&]<int... R>(std::integer_sequence<int, R...>) {  // the last M - i < ROWS rows, one tile
               ((M - i == R + 1 ? run(std::integral_constant<int, R + 1>{}, group, i, n, valid, far) : void()), ...);
-            }(std::make_integer_sequence<int, TILE_ROWS - 1>{});
+            }(std::make_integer_sequence<int, ROWS - 1>{});
           },
           (N + 7) / 8};
 }
@@ -428,7 +435,7 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
 
 template <class W>
 Tiles linear_kpacked(const W& w, const uint8_t* packed, const XK& x, int64_t M, float* y, int64_t N, int64_t ldy) {
-  return group_tiles(packed, (w.K / 256) * KLayout<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid, bool far) {
+  return group_tiles<KTILE_ROWS>(packed, (w.K / 256) * KLayout<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid, bool far) {
     kptile<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy, far);
   });
 }
