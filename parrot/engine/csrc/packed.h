@@ -146,9 +146,9 @@ inline void store_group(const bytes::G* acc, float* y, int64_t ldy, int64_t vali
 constexpr int TILE_ROWS = simd::REGISTERS >= 32 ? 8 : 4;
 // The K-quant tiles take 8 rows in every build. With 16 registers some of a row's sums spill to
 // L1, but a pass over 5-8 tokens (verifying drafts) then unpacks each weight once instead of
-// twice: Qwen2.5-Coder-1.5B at 512 tokens of context, avx2 set, 5 / 6 / 8 tokens 1.60 / 1.79 /
-// 2.11x a one-token pass -> 1.39 / 1.52 / 1.79x, 1-4 tokens the same, a 512-token prompt chunk
-// 3.98 -> 3.87 s (Intel Xeon). The 32-weight formats' tiles (the embedded model's Q4_1) were no
+// twice: Qwen2.5-Coder-1.5B at 512 tokens of context, avx2 set, two interleaved A/B runs, 5 / 6 /
+// 8 tokens 1.60-1.62 / 1.76 / 2.07-2.08x a one-token pass -> 1.41-1.44 / 1.54-1.57 / 1.79-1.84x,
+// 1-4 tokens the same, a 512-token prompt chunk 3.98 -> 3.87 s (Intel Xeon). The 32-weight formats' tiles (the embedded model's Q4_1) were no
 // faster at 8 in that build, so they keep TILE_ROWS.
 constexpr int KTILE_ROWS = 8;
 
