@@ -25,6 +25,15 @@ llama.cpp's ``llama-perplexity -c 512 -t 2`` on the same text file (``LLAMA_PERP
 Beside the PPLs: the mean KL divergence of Parrot q8's next-token distributions from Parrot
 float32's, KL(float32 || q8), over the scored positions, and how often their top tokens agree.
 
+llama.cpp's divergence from the same float32 reference: with llama-perplexity given, Parrot
+float32's scored rows are also written in the file format of ``llama-perplexity
+--kl-divergence-base`` (its log-probabilities coded in 16 bits per token, 2.2 GB for the 1.5B,
+deleted afterwards), and ``llama-perplexity --kl-divergence`` reads them against its own
+distributions on the same chunks. Parrot q8's KL is taken once more from those stored rows as
+llama.cpp takes its own (tokens above -16 in log-probability), so the two KLs compare like with
+like. The KL does not depend on which way each rounding happens to move a scored token's
+probability, which the PPL ratio does: a few chunks' luck moves it by about its +/-.
+
 Token counts: ``llama-perplexity`` does not print how many tokens the text gives when it has
 enough of them; with a context of the whole text (``-c N --chunks 0``, N = Parrot's count) it
 stops at once and prints "tokenizes to only T tokens", from the same tokenization call. That T
@@ -46,13 +55,15 @@ import json
 import math
 import os
 import re
+import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -136,6 +147,62 @@ def kl_rows(base: torch.Tensor, other: torch.Tensor, block: int = 32) -> torch.T
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
+# -- llama-perplexity's log-probability file (``--kl-divergence-base``) ---------------------------
+
+LOGITS_MAGIC = b"_logits_"
+
+
+def logits_file_header(n_ctx: int, vocab: int, tokens: Sequence[int]) -> bytes:
+    """The head of the file ``llama-perplexity --kl-divergence-base FILE`` saves and
+    ``--kl-divergence`` reads (tools/perplexity/perplexity.cpp): "_logits_", n_ctx (uint32),
+    the vocabulary and the chunk count (int32), then the chunks' tokens as the text gave them
+    (int32; llama.cpp puts BOS in front of each chunk itself)."""
+    n_chunk = len(tokens) // n_ctx
+    head = LOGITS_MAGIC + struct.pack("<Iii", n_ctx, vocab, n_chunk)
+    return head + struct.pack(f"<{n_chunk * n_ctx}i", *tokens[: n_chunk * n_ctx])
+
+
+def log_prob_rows(log_probs: torch.Tensor) -> torch.Tensor:
+    """Log-softmax rows ``[rows, vocab]`` as llama-perplexity stores them, int16-coded: per row
+    the scale and the lowest log-probability kept (two float32: 4 uint16), then each token's
+    ``round((lp - lowest) / scale)`` as uint16 (0 at or below the lowest, which is at most 16
+    below the top), the row padded to an even count. Returned as an int16 tensor of the same
+    bytes ``[rows, 2 * ceil(vocab / 2) + 4]``."""
+    rows, vocab = log_probs.shape
+    lp = log_probs.float()
+    top = lp.max(dim=1).values
+    lowest = torch.maximum(lp.min(dim=1).values, top - 16)
+    scale = (top - lowest) / 65535.0
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    coded = torch.where(lp > lowest[:, None], torch.round(inverse[:, None] * (lp - lowest[:, None])),
+                        torch.zeros_like(lp))
+    out = torch.zeros(rows, 2 * ((vocab + 1) // 2) + 4, dtype=torch.int32)
+    out[:, 4 : 4 + vocab] = coded.to(torch.int32)
+    words = torch.stack([scale, lowest], dim=1).contiguous().view(torch.int32)  # [rows, 2] float32 bits
+    out[:, 0] = words[:, 0] & 0xFFFF
+    out[:, 1] = (words[:, 0] >> 16) & 0xFFFF
+    out[:, 2] = words[:, 1] & 0xFFFF
+    out[:, 3] = (words[:, 1] >> 16) & 0xFFFF
+    return out.to(torch.int16)  # the low 16 bits: uint16 values in int16's bytes
+
+
+def decode_log_prob_rows(coded: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The log-probabilities llama-perplexity reads back from :func:`log_prob_rows`' rows."""
+    words = coded[:, :4].to(torch.int32) & 0xFFFF
+    bits = torch.stack([words[:, 0] | (words[:, 1] << 16), words[:, 2] | (words[:, 3] << 16)], dim=1)
+    scale, lowest = bits.contiguous().view(torch.float32).unbind(1)
+    values = (coded[:, 4 : 4 + vocab].to(torch.int32) & 0xFFFF).float()
+    return scale[:, None] * values + lowest[:, None]
+
+
+def kl_as_llama(base: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """KL(base || other) per row as ``llama-perplexity --kl-divergence`` sums it: over the tokens
+    whose decoded base log-probability is above -16, ``p_base * (lp_base - lp_other)``."""
+    p = base.double()
+    kept = p > -16
+    return torch.where(kept, p.exp() * (p - other.double()), torch.zeros_like(p)).sum(dim=1)
+
+
 def chunk_nlls(running: Sequence[float], per_chunk: int) -> list[float]:
     """Each chunk's mean NLL per scored token, from the running PPL after each chunk (llama.cpp's
     ``[i]x.xxxx``, printed to 4 decimals: the differences carry that rounding)."""
@@ -177,12 +244,17 @@ class Tally:
 
 
 def score(chunk_list: Sequence[Sequence[int]], systems: dict[str, Callable[[list[int]], torch.Tensor]],
-          base: str | None = None, progress: Callable[[int, dict[str, Tally]], None] | None = None) -> dict[str, Any]:
+          base: str | None = None, progress: Callable[[int, dict[str, Tally]], None] | None = None,
+          base_file: BinaryIO | None = None) -> dict[str, Any]:
     """Each system's PPL over the chunks; ``systems`` maps a name to a function returning a chunk's
     logits ``[logits_wanted, vocab]``. With ``base``: every other system's mean KL(base || it) over
-    the scored positions, and how often its top token is the base's."""
+    the scored positions, and how often its top token is the base's. With ``base_file`` too: the
+    base's rows are written to it as llama-perplexity stores them (after :func:`logits_file_header`),
+    and each other system's KL is also taken from those stored rows as llama.cpp takes its own
+    (``llama_way``), so that llama.cpp's KL from the same base compares like with like."""
     tallies = {name: Tally() for name in systems}
-    kl: dict[str, dict[str, Any]] = {name: {"sum": 0.0, "max": 0.0, "same_top": 0, "per_chunk": []}
+    kl: dict[str, dict[str, Any]] = {name: {"sum": 0.0, "max": 0.0, "same_top": 0, "per_chunk": [], "llama_way": 0.0,
+                                            "llama_way2": 0.0}
                                      for name in systems if name != base}
     for index, chunk in enumerate(chunk_list):
         scored = len(targets(chunk))
@@ -193,8 +265,17 @@ def score(chunk_list: Sequence[Sequence[int]], systems: dict[str, Callable[[list
             if base is not None:
                 rows[name] = log_probs
             del log_probs
+        stored = None
+        if base is not None and base_file is not None:
+            coded = log_prob_rows(rows[base])
+            base_file.write(coded.numpy().tobytes())
+            stored = decode_log_prob_rows(coded, rows[base].shape[1])
         if base is not None:
             for name, entry in kl.items():
+                if stored is not None:
+                    as_llama = kl_as_llama(stored, rows[name])
+                    entry["llama_way"] += float(as_llama.sum())
+                    entry["llama_way2"] += float((as_llama * as_llama).sum())
                 divergence = kl_rows(rows[base], rows[name])
                 entry["sum"] += float(divergence.sum())
                 entry["max"] = max(entry["max"], float(divergence.max()))
@@ -208,6 +289,12 @@ def score(chunk_list: Sequence[Sequence[int]], systems: dict[str, Callable[[list
         count = next(iter(tallies.values())).count
         out["kl"] = {name: {"from": base, "mean": e["sum"] / count, "max": e["max"], "same_top": e["same_top"] / count,
                             "per_chunk": e["per_chunk"]} for name, e in kl.items()}
+        if base_file is not None:
+            for name, e in kl.items():
+                mean = e["llama_way"] / count
+                spread = max(e["llama_way2"] / count - mean * mean, 0.0)
+                out["kl"][name]["mean_llama_way"] = mean
+                out["kl"][name]["mean_llama_way_error"] = math.sqrt(spread / (count - 1)) if count > 1 else None
     return out
 
 
@@ -264,6 +351,36 @@ def run_llama_perplexity(binary: str, gguf: str, text_file: str, n_ctx: int, thr
             "chunks": int(chunk_count.group(1)) if chunk_count else None, "running_ppl": running,
             "returncode": done.returncode, "seconds": time.perf_counter() - begin, "command": " ".join(command),
             "tail": output[-1500:] if done.returncode or not final else None}
+
+
+def run_llama_kl(binary: str, gguf: str, base_file: str, n_ctx: int, threads: int,
+                 log: Path | None = None) -> dict[str, Any]:
+    """``llama-perplexity --kl-divergence-base FILE --kl-divergence``: llama.cpp's next-token
+    distributions against the base stored in FILE (Parrot float32's, :func:`log_prob_rows`) on
+    the chunks' tokens stored there; what it prints at the end, parsed."""
+    from loadtests.peers import peer_env
+
+    command = [binary, "-m", gguf, "-c", str(n_ctx), "-t", str(threads), "--kl-divergence-base", base_file,
+               "--kl-divergence"]
+    begin = time.perf_counter()
+    done = subprocess.run(command, check=False, capture_output=True, text=True, env=peer_env())
+    output = done.stdout + done.stderr
+    if log is not None:
+        log.write_text(output)
+
+    def value(label: str) -> tuple[float | None, float | None]:
+        found = re.search(re.escape(label) + r"\s*:\s*([-0-9.]+)\s*±\s*([-0-9.]+)", output)
+        return (float(found.group(1)), float(found.group(2))) if found else (None, None)
+
+    kld, kld_error = value("Mean    KLD")
+    ratio, ratio_error = value("Mean PPL(Q)/PPL(base)")
+    log_ratio, log_ratio_error = value("Mean ln(PPL(Q)/PPL(base))")
+    same = re.search(r"Same top p:\s*([0-9.]+)", output)
+    return {"mean_kl": kld, "mean_kl_error": kld_error, "ppl_ratio": ratio, "ppl_ratio_error": ratio_error,
+            "log_ppl_ratio": log_ratio, "log_ppl_ratio_error": log_ratio_error,
+            "same_top": float(same.group(1)) / 100 if same else None, "returncode": done.returncode,
+            "seconds": time.perf_counter() - begin, "command": " ".join(command),
+            "tail": output[-1500:] if done.returncode or kld is None else None}
 
 
 # -- Parrot ----------------------------------------------------------------------------------------
@@ -388,6 +505,23 @@ def main(argv: list[str] | None = None) -> int:
     if tokens["specials_in_text"]:
         print(f"  warning: special tokens inside the text's tokens: {tokens['specials_in_text']}")
 
+    # With llama-perplexity: Parrot float32's scored rows go to a file in its log-probability
+    # format, for llama.cpp's KL from the same base (2 bytes per token per row: 2.2 GB for the
+    # 1.5B's 29 chunks; deleted after).
+    binary = args.llama_perplexity
+    info["llama_cpp_skipped"] = None if binary else "no LLAMA_PERPLEXITY given"
+    if binary and not os.path.isfile(binary):
+        info["llama_cpp_skipped"] = f"no llama-perplexity at {binary}"
+        print(f"llama-perplexity not found at {binary}: the llama.cpp column is skipped")
+        binary = None
+    base_path = None
+    if binary and not note and loaded["float32"].forward.vocab_size == info["tokens"]["gguf_vocabulary"]:
+        handle, base_path = tempfile.mkstemp(prefix="parrot-float32-", suffix=".logits")
+        os.close(handle)
+    base_file = open(base_path, "wb") if base_path else None
+    if base_file is not None:
+        base_file.write(logits_file_header(args.ctx, loaded["float32"].forward.vocab_size,
+                                           tokens["tokens"][: len(chunk_list) * args.ctx]))
     begin = time.perf_counter()
 
     def progress(index: int, tallies: dict[str, Tally]) -> None:
@@ -402,19 +536,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         scored = score(chunk_list, {"parrot_float32": forward_logits(loaded["float32"].forward),
                                     "parrot_q8": forward_logits(loaded["q8"].forward)},
-                       base="parrot_float32", progress=progress)
+                       base="parrot_float32", progress=progress, base_file=base_file)
+    if base_file is not None:
+        base_file.close()
     parrot_seconds = time.perf_counter() - begin
     systems = scored["systems"]
     del loaded
 
     # llama.cpp on the same file and text.
     llama: dict[str, Any] | None = None
-    binary = args.llama_perplexity
-    info["llama_cpp_skipped"] = None if binary else "no LLAMA_PERPLEXITY given"
-    if binary and not os.path.isfile(binary):
-        info["llama_cpp_skipped"] = f"no llama-perplexity at {binary}"
-        print(f"llama-perplexity not found at {binary}: the llama.cpp column is skipped")
-        binary = None
     if binary:
         # The text as a file beside the results (not committed: the JSON holds it), so that the
         # command line recorded can be run again as it is.
@@ -427,6 +557,13 @@ def main(argv: list[str] | None = None) -> int:
         llama = run_llama_perplexity(binary, gguf, text_file, args.ctx, args.threads, args.chunks,
                                      log=RESULTS / f"numerics_{label}_llama.log")
         llama.update(build=llama_build(binary), tokens=count["tokens"], token_count_command=count["command"])
+        if base_path is not None:
+            print("running llama-perplexity --kl-divergence against Parrot float32's stored rows", flush=True)
+            try:
+                llama["kl_from_parrot_float32"] = run_llama_kl(binary, gguf, base_path, args.ctx, args.threads,
+                                                               log=RESULTS / f"numerics_{label}_llama_kl.log")
+            finally:
+                os.unlink(base_path)
         info["tokens"]["llama_cpp"] = count["tokens"]
         info["tokens"]["agree"] = count["tokens"] == len(tokens["tokens"])
         if llama["ppl"] is not None:
@@ -485,6 +622,22 @@ def render(result: dict[str, Any]) -> str:
     lines += ["", f"KL(Parrot float32 || Parrot q8), mean over the scored tokens: {kl['mean']:.6f} "
                   f"(max {kl['max']:.4f}); same top token {100 * kl['same_top']:.2f}%"
                   + (f" ({kl['note']})" if kl.get("note") else "")]
+    theirs_kl = (result.get("llama_cpp") or {}).get("kl_from_parrot_float32")
+    if theirs_kl and theirs_kl.get("mean_kl") is not None and kl.get("mean_llama_way") is not None:
+        error = kl.get("mean_llama_way_error") or 0.0
+        lines += ["", "Divergence from Parrot float32, both taken as llama-perplexity --kl-divergence takes it "
+                      "(from float32's stored 16-bit rows, over the tokens whose log-probability there is above -16):",
+                  "| system | mean KL | same top token | PPL / Parrot float32 (above) |", "|---|---:|---:|---:|",
+                  f"| Parrot q8 | {kl['mean_llama_way']:.6f} +/- {error:.6f} | {100 * kl['same_top']:.2f}% | "
+                  f"{systems['parrot_q8']['ratio_to_float32']:.4f}x |",
+                  f"| llama.cpp | {theirs_kl['mean_kl']:.6f} +/- {theirs_kl['mean_kl_error']:.6f} | "
+                  f"{100 * (theirs_kl['same_top'] or 0):.2f}% | "
+                  + (f"{systems['llama_cpp']['ratio_to_float32']:.4f}x |" if "llama_cpp" in systems else "— |"),
+                  "Parrot q8's divergence " + ("at or below" if kl["mean_llama_way"] <= theirs_kl["mean_kl"] else "ABOVE")
+                  + " llama.cpp's. (llama.cpp's own PPL(Q)/PPL(base) there reads the base's clipped 16-bit rows, "
+                  "so the ratio above is taken from the plain runs.)"]
+    elif theirs_kl:
+        lines.append(f"llama.cpp's KL run gave no result (exit {theirs_kl['returncode']}): {theirs_kl['command']}")
     backend = result["parrot"]["q8"]
     lines.append(f"Parrot backend: {backend['backend']} ({backend['details'].get('summary', '')})")
     if result.get("llama_cpp"):

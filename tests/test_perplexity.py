@@ -67,6 +67,57 @@ def test_kl_divergence():
     assert (ppl.kl_rows(rows, other) > 0).all() and ppl.kl_rows(rows, rows).abs().max() == 0
 
 
+def test_log_prob_rows_are_stored_as_llama_perplexity_stores_them():
+    """The 16-bit rows of llama-perplexity's --kl-divergence-base file, byte for byte as its
+    log_softmax writes them (scale and lowest log-probability as float32, then uint16 codes)."""
+    import struct
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, -30.0, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    log_probs = torch.log_softmax(logits, dim=-1)
+    coded = ppl.log_prob_rows(log_probs)
+    assert coded.shape == (2, 2 * 3 + 4) and coded.dtype == torch.int16
+    row = coded[0].numpy().tobytes()
+    scale, lowest = struct.unpack("<ff", row[:8])
+    codes = struct.unpack("<6H", row[8:])
+    top = float(log_probs[0].max())
+    assert lowest == pytest.approx(top - 16, abs=1e-5)  # -30 is more than 16 below the top
+    assert scale == pytest.approx(16 / 65535, rel=1e-6)
+    assert codes[0] == 65535 and codes[3] == 0 and codes[5] == 0  # the top, one below the lowest, padding
+    assert codes[1] == round((float(log_probs[0, 1]) - lowest) / scale)
+    decoded = ppl.decode_log_prob_rows(coded, 5)
+    kept = log_probs[0] > lowest
+    assert torch.allclose(decoded[0][kept], log_probs[0][kept], atol=scale)
+    assert struct.unpack("<ff", coded[1].numpy().tobytes()[:8])[0] == 0  # a flat row: scale 0, codes 0
+    assert decoded[1].tolist() == pytest.approx(log_probs[1].tolist())
+    # KL as llama.cpp sums it: the tokens above -16 only, otherwise KL itself
+    other = torch.log_softmax(logits * 0.9, dim=-1)
+    assert ppl.kl_as_llama(log_probs[1:], other[1:]).tolist() == pytest.approx(ppl.kl_rows(log_probs[1:], other[1:]).tolist())
+    header = ppl.logits_file_header(4, 5, [7, 8, 9, 10, 11, 12, 13, 14, 15])
+    assert header[:8] == b"_logits_" and struct.unpack("<Iii", header[8:20]) == (4, 5, 2)
+    assert struct.unpack("<8i", header[20:]) == (7, 8, 9, 10, 11, 12, 13, 14)  # whole chunks only
+
+
+def test_score_writes_the_base_rows_and_takes_kl_the_same_way(tmp_path):
+    """With a base file, the base's rows are written after the header, one block of
+    n_ctx - 1 - n_ctx / 2 rows per chunk, and the other system's KL is also taken from them."""
+    vocab, n_ctx = 30, 16
+    table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(4))
+
+    def system(temperature):
+        return lambda chunk: table[chunk[-ppl.logits_wanted(len(chunk)):]] * temperature
+
+    chunk_list = ppl.chunks([i % vocab for i in range(40)], n_ctx, None)
+    path = tmp_path / "base.logits"
+    with open(path, "wb") as f:
+        scored = ppl.score(chunk_list, {"base": system(1.0), "other": system(0.8)}, base="base", base_file=f)
+    rows = len(ppl.targets(chunk_list[0]))
+    assert rows == n_ctx - 1 - n_ctx // 2
+    data = path.read_bytes()
+    assert len(data) == len(chunk_list) * rows * (vocab + 4) * 2
+    kl = scored["kl"]["other"]
+    assert kl["mean_llama_way"] == pytest.approx(kl["mean"], rel=1e-3) and kl["mean"] > 0.01
+
+
 @pytest.mark.parametrize("backend", ["native", "hf"])
 def test_scores_on_the_tiny_model_as_one_forward_per_chunk(backend):
     from parrot.engine.hf_runner import HFForward
