@@ -102,7 +102,7 @@ def test_every_cpu_runs_the_portable_kernels():
 
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("make", [_random_q4_1, _random_q8_0])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33, 70, 131])
 def test_block_kernel_equals_float32_matmul_of_the_dequantized_weights(isa, make, rows):
     w = make(70, 576)  # 70 output rows: not a multiple of the kernels' 4-, 3- or 2-row weight tiles
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
@@ -116,10 +116,12 @@ def test_block_kernel_equals_float32_matmul_of_the_dequantized_weights(isa, make
 @pytest.mark.parametrize("make", [_random_q4_1, _random_q8_0])
 def test_block_kernel_rows_do_not_depend_on_the_rest_of_the_batch(isa, make):
     w = make(64, 1536)
-    x = torch.randn(20, 1536, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(140, 1536, generator=torch.Generator().manual_seed(1))
     together = kernels(isa).linear(x, w)
-    # every tile shape of every kernel set: 1..8 rows in one tile, and 9..15 rows in two
-    for start, stop in ((0, 1), (3, 5), (2, 5), (3, 7), (3, 8), (4, 10), (1, 9), (6, 13), (5, 20), (2, 12), (0, 15)):
+    # every tile shape of every kernel set: 1..8 rows in one tile, and 9..15 rows in two, and
+    # prompt-sized calls cut at other rows
+    for start, stop in ((0, 1), (3, 5), (2, 5), (3, 7), (3, 8), (4, 10), (1, 9), (6, 13), (5, 20), (2, 12), (0, 15),
+                        (60, 70), (1, 140), (0, 129)):
         assert torch.equal(kernels(isa).linear(x[start:stop], w), together[start:stop])
 
 
