@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     if binary and not note and loaded["float32"].forward.vocab_size == info["tokens"]["gguf_vocabulary"]:
         handle, base_path = tempfile.mkstemp(prefix="parrot-float32-", suffix=".logits")
         os.close(handle)
-    base_file = open(base_path, "wb") if base_path else None
+    base_file = open(base_path, "wb") if base_path else None  # noqa: SIM115 (closed after scoring, or unlinked)
     if base_file is not None:
         base_file.write(logits_file_header(args.ctx, loaded["float32"].forward.vocab_size,
                                            tokens["tokens"][: len(chunk_list) * args.ctx]))
@@ -534,9 +534,15 @@ def main(argv: list[str] | None = None) -> int:
         scored["kl"] = {"parrot_q8": {"from": "parrot_float32", "mean": 0.0, "max": 0.0, "same_top": 1.0,
                                       "per_chunk": [], "note": note}}
     else:
-        scored = score(chunk_list, {"parrot_float32": forward_logits(loaded["float32"].forward),
-                                    "parrot_q8": forward_logits(loaded["q8"].forward)},
-                       base="parrot_float32", progress=progress, base_file=base_file)
+        try:
+            scored = score(chunk_list, {"parrot_float32": forward_logits(loaded["float32"].forward),
+                                        "parrot_q8": forward_logits(loaded["q8"].forward)},
+                           base="parrot_float32", progress=progress, base_file=base_file)
+        except BaseException:
+            if base_path is not None:  # a stopped run does not leave gigabytes in the temporary directory
+                base_file.close()
+                os.unlink(base_path)
+            raise
     if base_file is not None:
         base_file.close()
     parrot_seconds = time.perf_counter() - begin
@@ -625,14 +631,14 @@ def render(result: dict[str, Any]) -> str:
     theirs_kl = (result.get("llama_cpp") or {}).get("kl_from_parrot_float32")
     if theirs_kl and theirs_kl.get("mean_kl") is not None and kl.get("mean_llama_way") is not None:
         error = kl.get("mean_llama_way_error") or 0.0
-        lines += ["", "Divergence from Parrot float32, both taken as llama-perplexity --kl-divergence takes it "
-                      "(from float32's stored 16-bit rows, over the tokens whose log-probability there is above -16):",
+        ratio = f"{systems['llama_cpp']['ratio_to_float32']:.4f}x" if "llama_cpp" in systems else "—"
+        lines += ["", ("Divergence from Parrot float32, both taken as llama-perplexity --kl-divergence takes it "
+                       "(from float32's stored 16-bit rows, over the tokens whose log-probability there is above -16):"),
                   "| system | mean KL | same top token | PPL / Parrot float32 (above) |", "|---|---:|---:|---:|",
-                  f"| Parrot q8 | {kl['mean_llama_way']:.6f} +/- {error:.6f} | {100 * kl['same_top']:.2f}% | "
-                  f"{systems['parrot_q8']['ratio_to_float32']:.4f}x |",
-                  f"| llama.cpp | {theirs_kl['mean_kl']:.6f} +/- {theirs_kl['mean_kl_error']:.6f} | "
-                  f"{100 * (theirs_kl['same_top'] or 0):.2f}% | "
-                  + (f"{systems['llama_cpp']['ratio_to_float32']:.4f}x |" if "llama_cpp" in systems else "— |"),
+                  (f"| Parrot q8 | {kl['mean_llama_way']:.6f} +/- {error:.6f} | {100 * kl['same_top']:.2f}% | "
+                   f"{systems['parrot_q8']['ratio_to_float32']:.4f}x |"),
+                  (f"| llama.cpp | {theirs_kl['mean_kl']:.6f} +/- {theirs_kl['mean_kl_error']:.6f} | "
+                   f"{100 * (theirs_kl['same_top'] or 0):.2f}% | {ratio} |"),
                   "Parrot q8's divergence " + ("at or below" if kl["mean_llama_way"] <= theirs_kl["mean_kl"] else "ABOVE")
                   + " llama.cpp's. (llama.cpp's own PPL(Q)/PPL(base) there reads the base's clipped 16-bit rows, "
                   "so the ratio above is taken from the plain runs.)"]
