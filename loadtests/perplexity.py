@@ -136,14 +136,18 @@ def perplexity(nll_sum: float, nll2_sum: float, count: int) -> tuple[float, floa
     return ppl, (math.sqrt(variance / (count - 1)) * ppl if variance > 0 and count > 1 else None)
 
 
-def kl_rows(base: torch.Tensor, other: torch.Tensor, block: int = 32) -> torch.Tensor:
+def kl_rows(base: torch.Tensor, other: torch.Tensor, block: int = 32, above: float | None = None) -> torch.Tensor:
     """KL(base || other) per row of two log-softmax tensors ``[rows, vocab]`` (float64, in blocks
-    of rows so that a 262k-token vocabulary stays small)."""
+    of rows so that a 262k-token vocabulary stays small). ``above``: only the tokens whose base
+    log-probability is above it count, as ``llama-perplexity --kl-divergence`` sums (-16)."""
     out = []
     for start in range(0, base.shape[0], block):
         p = base[start : start + block].double()
         q = other[start : start + block].double()
-        out.append((p.exp() * (p - q)).sum(dim=1))
+        terms = p.exp() * (p - q)
+        if above is not None:
+            terms = torch.where(p > above, terms, torch.zeros_like(terms))
+        out.append(terms.sum(dim=1))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
@@ -193,14 +197,6 @@ def decode_log_prob_rows(coded: torch.Tensor, vocab: int) -> torch.Tensor:
     scale, lowest = bits.contiguous().view(torch.float32).unbind(1)
     values = (coded[:, 4 : 4 + vocab].to(torch.int32) & 0xFFFF).float()
     return scale[:, None] * values + lowest[:, None]
-
-
-def kl_as_llama(base: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """KL(base || other) per row as ``llama-perplexity --kl-divergence`` sums it: over the tokens
-    whose decoded base log-probability is above -16, ``p_base * (lp_base - lp_other)``."""
-    p = base.double()
-    kept = p > -16
-    return torch.where(kept, p.exp() * (p - other.double()), torch.zeros_like(p)).sum(dim=1)
 
 
 def chunk_nlls(running: Sequence[float], per_chunk: int) -> list[float]:
@@ -273,7 +269,7 @@ def score(chunk_list: Sequence[Sequence[int]], systems: dict[str, Callable[[list
         if base is not None:
             for name, entry in kl.items():
                 if stored is not None:
-                    as_llama = kl_as_llama(stored, rows[name])
+                    as_llama = kl_rows(stored, rows[name], above=-16)
                     entry["llama_way"] += float(as_llama.sum())
                     entry["llama_way2"] += float((as_llama * as_llama).sum())
                 divergence = kl_rows(rows[base], rows[name])

@@ -91,7 +91,7 @@ def test_log_prob_rows_are_stored_as_llama_perplexity_stores_them():
     assert decoded[1].tolist() == pytest.approx(log_probs[1].tolist())
     # KL as llama.cpp sums it: the tokens above -16 only, otherwise KL itself
     other = torch.log_softmax(logits * 0.9, dim=-1)
-    assert ppl.kl_as_llama(log_probs[1:], other[1:]).tolist() == pytest.approx(ppl.kl_rows(log_probs[1:], other[1:]).tolist())
+    assert ppl.kl_rows(log_probs[1:], other[1:], above=-16).tolist() == pytest.approx(ppl.kl_rows(log_probs[1:], other[1:]).tolist())
     header = ppl.logits_file_header(4, 5, [7, 8, 9, 10, 11, 12, 13, 14, 15])
     assert header[:8] == b"_logits_" and struct.unpack("<Iii", header[8:20]) == (4, 5, 2)
     assert struct.unpack("<8i", header[20:]) == (7, 8, 9, 10, 11, 12, 13, 14)  # whole chunks only
