@@ -85,6 +85,27 @@ def test_logits_of_a_token_do_not_depend_on_its_draft_or_on_other_sequences(quan
 
 
 @each_isa
+@each_activations
+def test_rows_without_logits_fill_the_cache_as_rows_with_them(quantized, isa, activations):
+    # A prompt chunk asks for the logits of its last rows only (or none, before a prompt's last
+    # chunk), and the last layer then runs attention and the MLP for those rows alone: the caches
+    # and the logits asked for must be what a pass asking for every row's logits gives.
+    model, blocks = quantized
+    forward = LlamaForward(model, 512, blocks, isa=isa, activations=activations)
+    prompts = [_prompt(120), _prompt(40, seed=6), _prompt(70, seed=7)]
+    every = [forward.new_cache(200) for _ in prompts]
+    full = [forward.forward([(cache, prompt, len(prompt))])[0] for cache, prompt in zip(every, prompts)]
+    few = [forward.new_cache(200) for _ in prompts]
+    logits = forward.forward([(few[0], prompts[0], 3), (few[1], prompts[1], 0), (few[2], prompts[2], 1)])
+    assert torch.equal(logits[0], full[0][-3:]) and logits[1].shape[0] == 0 and torch.equal(logits[2], full[2][-1:])
+    for a, b, prompt in zip(every, few, prompts):
+        assert a.length == b.length == len(prompt)
+        assert torch.equal(a.k[:, :, : a.length], b.k[:, :, : b.length])
+        assert torch.equal(a.v[:, :, : a.length], b.v[:, :, : b.length])
+        assert torch.equal(forward.forward([(a, [9], 1)])[0], forward.forward([(b, [9], 1)])[0])
+
+
+@each_isa
 @pytest.mark.parametrize("activations, atol", [("float32", 5e-4), ("q8", 3.0)])
 def test_logits_follow_transformers_float32(quantized, isa, activations, atol):
     # float32 inputs: float32 rounding. q8 rounds each layer's input to 8 bits per 32 values

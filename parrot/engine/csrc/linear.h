@@ -98,7 +98,8 @@ void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int 
 #endif
   // K-quant parts on the packed tiles read x arranged (XK), parts on the AMX tiles read it in
   // their layout: each is made only where a part reads it.
-  bool any_packed = false, any_super = false, any_tiles = false, any_amx = false;
+  bool any_packed = false, any_super = false, any_amx = false;
+  int forms = 0;  // the forms of x (XK::Forms) the K-quant parts read
   for (const Mat* p = w; p != nullptr; p = p->next) {
     ldy += p->N;
     with_format(p->kind, [&]<class W>() {
@@ -108,14 +109,17 @@ void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int 
 #if defined(PARROT_AMX)
         if constexpr (AMX_FOLDS<W> || AMX_DIGITS<W>) on_amx = amx;
 #endif
-        if (p->packed != nullptr) (on_amx ? any_amx : any_tiles) = true;
+        if (p->packed != nullptr) {
+          any_amx |= on_amx;
+          forms |= on_amx ? XK::PLAIN : W::GROUP == 16 ? XK::BY16 : XK::BY32;
+        }
       } else if constexpr (W::INTEGER) {
         any_packed |= p->packed != nullptr;
       }
     });
   }
   const std::unique_ptr<XU> xu(q8 && any_packed ? new XU(x, M, w->K) : nullptr);
-  const std::unique_ptr<XK> xk(q8 && any_super && w->K % 256 == 0 ? new XK(x, M, w->K, threads, any_tiles) : nullptr);
+  const std::unique_ptr<XK> xk(q8 && any_super && w->K % 256 == 0 ? new XK(x, M, w->K, threads, forms) : nullptr);
 #if defined(PARROT_AMX)
   if (xk && any_amx) amx_layout(*xk, M, threads);
 #endif
@@ -150,11 +154,12 @@ void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int 
       for (int64_t t = from(lo), end = from(hi); t < end; ++t) parts[i].run(t);
     }
   }, pieces);
-  offset = 0;
-  for (const Mat* p = w; p != nullptr; offset += p->N, p = p->next)
-    if (p->bias != nullptr)
-      for (int64_t i = 0; i < M; ++i)
-        for (int64_t n = 0; n < p->N; ++n) y[i * ldy + offset + n] += p->bias[n];
+  for_rows(M, threads, [&](int64_t i) {
+    int64_t at = 0;
+    for (const Mat* p = w; p != nullptr; at += p->N, p = p->next)
+      if (p->bias != nullptr)
+        for (int64_t n = 0; n < p->N; ++n) y[i * ldy + at + n] += p->bias[n];
+  });
 }
 
 }  // namespace

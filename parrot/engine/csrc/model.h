@@ -124,9 +124,17 @@ void gelu_tanh_mul(const float* gu, int64_t rows, int64_t I, float* out) {
 
 // ids: every sequence's tokens, concatenated; logits: [sum of num_logits, vocab]. Each cache
 // grows by its n tokens (the caller has reserved the room and updates its lengths).
+//
+// The last layer runs its attention, o and MLP only for the rows that need logits (each
+// sequence's last num_logits rows): the other rows' outputs of that layer feed nothing, and its
+// keys and values come from q|k|v, which every row still computes. A prompt chunk then skips
+// almost a layer's work (all of it for a chunk before the last), as llama.cpp does with its
+// output rows; each kept row gets the same values as before, since no kernel's result for a
+// row depends on the other rows.
 void forward(const Model* md, int64_t num_seqs, const Seq* seqs, const int64_t* ids, float* logits) {
   const int64_t H = md->hidden, D = md->head_dim, heads = md->heads, kvh = md->kv_heads, I = md->intermediate;
   const int64_t q_width = heads * D, kv_width = kvh * D, qkv_width = q_width + 2 * kv_width;
+  const int threads = md->threads;
   int64_t M = 0, rows_out = 0;
   for (int64_t s = 0; s < num_seqs; ++s) { M += seqs[s].n; rows_out += seqs[s].num_logits; }
   std::vector<float> hidden(M * H), x(M * H), tmp(M * H), qkv(M * qkv_width), att(M * q_width),
@@ -138,16 +146,26 @@ void forward(const Model* md, int64_t num_seqs, const Seq* seqs, const int64_t* 
   }
   if (md->embed_scale != 1.0f)
     for (int64_t i = 0; i < M * H; ++i) hidden[i] *= md->embed_scale;
+  const auto norm = [&](const float* in, const float* weight, int64_t rows, float* out) {
+    for_rows(rows, threads, [&](int64_t i) { rms_norm(in + i * H, weight, 1, H, md->eps, out + i * H); });
+  };
+  const auto add_rows = [&](float* to, const float* from, int64_t rows) {
+    for_rows(rows, threads, [&](int64_t i) {
+      for (int64_t h = 0; h < H; ++h) to[i * H + h] += from[i * H + h];
+    });
+  };
 
+  int64_t m = M;  // the rows that go on: all of them, then in the last layer the rows with logits
   for (int64_t l = 0; l < md->num_layers; ++l) {
     const Layer& layer = md->layers[l];
-    rms_norm(hidden.data(), layer.input_norm, M, H, md->eps, x.data());
-    linear(&layer.qkv, x.data(), M, qkv.data(), md->threads, md->q8);
-    int64_t row = 0;
+    const bool last = l + 1 == md->num_layers;
+    norm(hidden.data(), layer.input_norm, m, x.data());
+    linear(&layer.qkv, x.data(), m, qkv.data(), threads, md->q8);
+    int64_t row = 0, out = 0;  // this sequence's first row in qkv, and in att
     for (int64_t s = 0; s < num_seqs; ++s) {
       const Seq& seq = seqs[s];
       const int64_t cache_layer = l * kvh * seq.capacity * D;
-      for (int64_t t = 0; t < seq.n; ++t) {
+      for_rows(seq.n, threads, [&](int64_t t) {
         const int64_t pos = seq.start + t;
         float* r = &qkv[(row + t) * qkv_width];
         if (layer.q_norm != nullptr) rms_norm(r, layer.q_norm, heads, D, md->eps, r);  // each head, in place
@@ -166,41 +184,52 @@ void forward(const Model* md, int64_t num_seqs, const Seq* seqs, const int64_t* 
             std::memcpy(static_cast<float*>(seq.v) + at, vr, D * sizeof(float));
           }
         }
+      });
+      // The attention kernel reads q as [n, heads, D]: gather the rows that attend (the last nq).
+      const int64_t nq = last ? seq.num_logits : seq.n, first = row + seq.n - nq;
+      std::vector<float> q(nq * q_width);
+      for_rows(nq, threads, [&](int64_t t) { std::memcpy(&q[t * q_width], &qkv[(first + t) * qkv_width], q_width * sizeof(float)); });
+      if (last)  // the residual stream of the rows that go on, gathered in front (out <= first)
+        std::memmove(&hidden[out * H], &hidden[first * H], nq * H * sizeof(float));
+      if (nq > 0) {
+        if (md->kv16)
+          attention(q.data(), nq, heads, D, static_cast<const uint16_t*>(seq.k) + cache_layer,
+                    static_cast<const uint16_t*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + seq.n, layer.window,
+                    md->scale, &att[out * q_width], threads);
+        else
+          attention(q.data(), nq, heads, D, static_cast<const float*>(seq.k) + cache_layer,
+                    static_cast<const float*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + seq.n, layer.window,
+                    md->scale, &att[out * q_width], threads);
       }
-      // The attention kernel reads q as [n, heads, D]: gather this sequence's q rows.
-      std::vector<float> q(seq.n * q_width);
-      for (int64_t t = 0; t < seq.n; ++t) std::memcpy(&q[t * q_width], &qkv[(row + t) * qkv_width], q_width * sizeof(float));
-      if (md->kv16)
-        attention(q.data(), seq.n, heads, D, static_cast<const uint16_t*>(seq.k) + cache_layer,
-                  static_cast<const uint16_t*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + seq.n, layer.window, md->scale,
-                  &att[row * q_width], md->threads);
-      else
-        attention(q.data(), seq.n, heads, D, static_cast<const float*>(seq.k) + cache_layer,
-                  static_cast<const float*>(seq.v) + cache_layer, kvh, seq.capacity, seq.start + seq.n, layer.window, md->scale,
-                  &att[row * q_width], md->threads);
       row += seq.n;
+      out += nq;
     }
-    linear(&layer.o, att.data(), M, tmp.data(), md->threads, md->q8);
-    if (layer.attn_post_norm != nullptr) rms_norm(tmp.data(), layer.attn_post_norm, M, H, md->eps, tmp.data());
-    for (int64_t i = 0; i < M * H; ++i) hidden[i] += tmp[i];
-    rms_norm(hidden.data(), layer.ffn_norm, M, H, md->eps, x.data());
-    linear(&layer.gate_up, x.data(), M, gu.data(), md->threads, md->q8);
-    if (md->act == GELU_TANH) gelu_tanh_mul(gu.data(), M, I, act.data());
-    else silu_mul(gu.data(), M, I, act.data());
-    linear(&layer.down, act.data(), M, tmp.data(), md->threads, md->q8);
-    if (layer.ffn_post_norm != nullptr) rms_norm(tmp.data(), layer.ffn_post_norm, M, H, md->eps, tmp.data());
-    for (int64_t i = 0; i < M * H; ++i) hidden[i] += tmp[i];
+    m = out;
+    if (m == 0) break;  // a chunk before a prompt's last: nothing needs the last layer's outputs
+    linear(&layer.o, att.data(), m, tmp.data(), threads, md->q8);
+    if (layer.attn_post_norm != nullptr) norm(tmp.data(), layer.attn_post_norm, m, tmp.data());
+    add_rows(hidden.data(), tmp.data(), m);
+    norm(hidden.data(), layer.ffn_norm, m, x.data());
+    linear(&layer.gate_up, x.data(), m, gu.data(), threads, md->q8);
+    for_rows(m, threads, [&](int64_t i) {
+      if (md->act == GELU_TANH) gelu_tanh_mul(&gu[i * 2 * I], 1, I, &act[i * I]);
+      else silu_mul(&gu[i * 2 * I], 1, I, &act[i * I]);
+    });
+    linear(&layer.down, act.data(), m, tmp.data(), threads, md->q8);
+    if (layer.ffn_post_norm != nullptr) norm(tmp.data(), layer.ffn_post_norm, m, tmp.data());
+    add_rows(hidden.data(), tmp.data(), m);
   }
-  // Logits of each sequence's last num_logits rows.
+  // Logits of each sequence's last num_logits rows, now hidden's first rows_out rows (the last
+  // layer gathered them; a model without layers keeps every row).
   std::vector<float> last(rows_out * H);
   int64_t row = 0, out_row = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t first = row + seqs[s].n - seqs[s].num_logits;
-    rms_norm(&hidden[first * H], md->final_norm, seqs[s].num_logits, H, md->eps, &last[out_row * H]);
+    const int64_t first = md->num_layers > 0 ? out_row : row + seqs[s].n - seqs[s].num_logits;
+    norm(&hidden[first * H], md->final_norm, seqs[s].num_logits, &last[out_row * H]);
     out_row += seqs[s].num_logits;
     row += seqs[s].n;
   }
-  if (rows_out > 0) linear(&md->lm_head, last.data(), rows_out, logits, md->threads, md->q8);
+  if (rows_out > 0) linear(&md->lm_head, last.data(), rows_out, logits, threads, md->q8);
 }
 
 }  // namespace

@@ -132,3 +132,18 @@ inline Pool& pool(int threads) {
   pools.push_back(new Pool(threads));
   return *pools.back();
 }
+
+// Rows 0 .. M - 1 through f(i): on the pool's threads from PARALLEL_ROWS rows (prompt chunks),
+// in this thread below (a decoding or verifying pass, where a hand-off costs more than the row
+// work). Each row's arithmetic is its own, so the split changes no result. Run in this thread,
+// the norms, activations, residuals and biases of a 400-token chunk took about 5% of its time
+// with the other core idle (perf, Qwen2.5-Coder-1.5B, avx2 set, Intel Xeon).
+constexpr int64_t PARALLEL_ROWS = 16;
+template <class F>
+void for_rows(int64_t M, int threads, F&& f) {
+  if (M < PARALLEL_ROWS) {
+    for (int64_t i = 0; i < M; ++i) f(i);
+  } else {
+    pool(threads).parallel_for(M, f);
+  }
+}
