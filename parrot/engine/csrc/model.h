@@ -87,38 +87,34 @@ void rope(float* x, int64_t heads, int64_t D, const float* cos, const float* sin
   }
 }
 
-// silu(gate) * up = gate * up / (1 + exp(-gate)), per row [gate | up] -> [I].
-void silu_mul(const float* gu, int64_t rows, int64_t I, float* out) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* g = gu + i * 2 * I;
-    const float* u = g + I;
-    int64_t j = 0;
-    for (; j + L <= I; j += L) {
-      const F gv = load(g + j);
-      store(out + i * I + j, div(mul(gv, load(u + j)), add(set1(1.0f), exp(sub(zero(), gv)))));
-    }
-    for (; j < I; ++j) out[i * I + j] = g[j] * u[j] / (1.0f + std::exp(-g[j]));
+// silu(gate) * up = gate * up / (1 + exp(-gate)), of one row [gate | up] -> [I].
+void silu_mul(const float* gu, int64_t I, float* out) {
+  const float* g = gu;
+  const float* u = g + I;
+  int64_t j = 0;
+  for (; j + L <= I; j += L) {
+    const F gv = load(g + j);
+    store(out + j, div(mul(gv, load(u + j)), add(set1(1.0f), exp(sub(zero(), gv)))));
   }
+  for (; j < I; ++j) out[j] = g[j] * u[j] / (1.0f + std::exp(-g[j]));
 }
 
-// gelu_tanh(gate) * up, per row [gate | up] -> [I]. gelu_tanh(x) = x (1 + tanh(u)) / 2 with
+// gelu_tanh(gate) * up, of one row [gate | up] -> [I]. gelu_tanh(x) = x (1 + tanh(u)) / 2 with
 // u = sqrt(2 / pi) (x + 0.044715 x^3) (torch's gelu(approximate="tanh")), written as
 // x / (1 + exp(-2u)), the same value.
-void gelu_tanh_mul(const float* gu, int64_t rows, int64_t I, float* out) {
+void gelu_tanh_mul(const float* gu, int64_t I, float* out) {
   constexpr float c = -2.0f * 0.7978845608028654f, c3 = -2.0f * 0.7978845608028654f * 0.044715f;  // -2u = x (c + c3 x^2)
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* g = gu + i * 2 * I;
-    const float* u = g + I;
-    int64_t j = 0;
-    for (; j + L <= I; j += L) {
-      const F x = load(g + j);
-      const F minus_2u = mul(x, add(set1(c), mul(set1(c3), mul(x, x))));
-      store(out + i * I + j, div(mul(x, load(u + j)), add(set1(1.0f), exp(minus_2u))));
-    }
-    for (; j < I; ++j) {
-      const float x = g[j];
-      out[i * I + j] = x * u[j] / (1.0f + std::exp(x * (c + c3 * (x * x))));
-    }
+  const float* g = gu;
+  const float* u = g + I;
+  int64_t j = 0;
+  for (; j + L <= I; j += L) {
+    const F x = load(g + j);
+    const F minus_2u = mul(x, add(set1(c), mul(set1(c3), mul(x, x))));
+    store(out + j, div(mul(x, load(u + j)), add(set1(1.0f), exp(minus_2u))));
+  }
+  for (; j < I; ++j) {
+    const float x = g[j];
+    out[j] = x * u[j] / (1.0f + std::exp(x * (c + c3 * (x * x))));
   }
 }
 
@@ -212,8 +208,8 @@ void forward(const Model* md, int64_t num_seqs, const Seq* seqs, const int64_t* 
     norm(hidden.data(), layer.ffn_norm, m, x.data());
     linear(&layer.gate_up, x.data(), m, gu.data(), threads, md->q8);
     for_rows(m, threads, [&](int64_t i) {
-      if (md->act == GELU_TANH) gelu_tanh_mul(&gu[i * 2 * I], 1, I, &act[i * I]);
-      else silu_mul(&gu[i * 2 * I], 1, I, &act[i * I]);
+      if (md->act == GELU_TANH) gelu_tanh_mul(&gu[i * 2 * I], I, &act[i * I]);
+      else silu_mul(&gu[i * 2 * I], I, &act[i * I]);
     });
     linear(&layer.down, act.data(), m, tmp.data(), threads, md->q8);
     if (layer.ffn_post_norm != nullptr) norm(tmp.data(), layer.ffn_post_norm, m, tmp.data());
