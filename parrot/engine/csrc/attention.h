@@ -8,7 +8,7 @@
 // position and the chunk offsets.
 //
 // The rows of one token (the G query heads of a key/value head) see the same keys and go through
-// the chunk together, up to RMAX at a time (8 in the AVX-512 builds, 4 in the others), with the
+// the chunk together, up to RMAX at a time (8 in the AVX-512 builds, 6 in the others), with the
 // head dimension in the vector lanes (16 or 8): a score is a run of multiply-adds over the
 // dimension's slices, summed across lanes once (for 4 keys at a time, av::hsum4), and sum p v
 // keeps each row's sums in registers for the whole chunk. Each key or value slice is read (and
@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 using namespace simd;
@@ -41,8 +42,10 @@ constexpr int64_t CHUNK = 256;
 // late: a one-token pass spent most of its attention time waiting on the first value rows of
 // each chunk (perf, AVX2 EPYC). So the first rows through a chunk fetch ahead: scoring fetches
 // the keys KEYS_AHEAD rows on and the value rows it passes (into L2: a chunk's values are as
-// large as L1), and summing the values fetches the keys of the thread's next item. A one-token
-// pass of the embedded model at 1,000 positions: 7-8% faster; an 8-token pass 6%.
+// large as L1). A one-token pass of the embedded model at 1,000 positions: 7-8% faster; an
+// 8-token pass 6%. Summing the values also fetched the keys of the thread's next item into L1
+// until 2026-11-27; on an Intel Xeon that cost a one-token pass of Qwen2.5-Coder-1.5B at 4,096
+// positions about 1 ms (with the rows of a token in one block, below; avx2 and amx sets).
 constexpr int64_t KEYS_AHEAD = 16;
 inline void fetch_ahead(const void* keys, const void* values, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) {
@@ -52,16 +55,17 @@ inline void fetch_ahead(const void* keys, const void* values, int64_t bytes) {
 }
 
 // The head dimension's vectors: simd.h's F (16 lanes in the AVX-512 builds, 8 in the others),
-// with up to RMAX rows of a token through a chunk together (8 with AVX-512's 32 registers, 4 with
-// 16). A one-token pass of Qwen2.5-1.5B (6 query heads per key/value head, head size 128) at
-// 4,096 positions was arithmetic-bound in 8 lanes and 4 rows: 5.8 ms of 28 layers with the cache
-// in cache, 7.9 ms streaming it (15 GB/s of a 29 GB/s machine; Intel Xeon, AVX-512).
+// with up to RMAX rows of a token through a chunk together (8 with AVX-512's 32 registers, 6 with
+// 16, where 6 rows take one key at a time). A one-token pass of Qwen2.5-1.5B (6 query heads per
+// key/value head, head size 128) at 4,096 positions was arithmetic-bound in 8 lanes and 4 rows:
+// 5.8 ms of 28 layers with the cache in cache, 7.9 ms streaming it (15 GB/s of a 29 GB/s machine;
+// Intel Xeon, AVX-512). In 4 rows and 2 its keys and values were read and widened twice per token.
 namespace av {
 using V = F;
-constexpr int W = L, RMAX = REGISTERS / 4;
-// Whether RB rows fit 4 keys (or value slices) at a time in registers: an accumulator per row
-// and key, a query (or weight) per row, and the key.
-constexpr bool four_wide(int RB) { return RB * 5 + 1 <= REGISTERS; }
+constexpr int W = L, RMAX = REGISTERS >= 32 ? 8 : 6;
+// Keys (or value slices) at a time for RB rows: the most of 4, 2 and 1 that fit in registers
+// with an accumulator per row and key, a query (or weight) per row, and the key.
+constexpr int width(int RB) { return RB * 5 + 1 <= REGISTERS ? 4 : RB * 3 + 1 <= REGISTERS ? 2 : 1; }
 inline V kv(const float* p) { return load(p); }
 inline V kv(const uint16_t* p) { return load_f16((const uint8_t*)p); }
 // The sums of 4 vectors across their lanes, in a fixed order (bytes::ghsum4's, after adding
@@ -84,7 +88,7 @@ inline void hsum4(V a, V b, V c, V d, float* out) {
 template <int C, int RB, class T>
 inline void score_block(const float* qs, const T* keys, int64_t m, float* scores, const T* values) {
   using namespace av;
-  constexpr int D = W * C, KB = four_wide(RB) ? 4 : 2;
+  constexpr int D = W * C, KB = width(RB);
   for (int64_t j0 = 0; j0 < m; j0 += KB) {
     const T* kp[KB];
     for (int k = 0; k < KB; ++k) kp[k] = keys + std::min(j0 + k, m - 1) * D;
@@ -100,11 +104,20 @@ inline void score_block(const float* qs, const T* keys, int64_t m, float* scores
         for (int r = 0; r < RB; ++r) acc[r][k] = fmadd(q[r], x, acc[r][k]);
       }
     }
-    for (int r = 0; r < RB; ++r) {
-      float s[4];
-      if constexpr (KB == 4) hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s);
-      else hsum4(acc[r][0], acc[r][1], zero(), zero(), s);
-      for (int k = 0; k < KB && j0 + k < m; ++k) scores[r * CHUNK + j0 + k] = s[k];
+    if constexpr (KB == 1) {  // one key: the sums of 4 rows at a time (each row's own lanes in the same order)
+      const auto row = [&](int r) { return r < RB ? acc[r][0] : zero(); };
+      for (int r0 = 0; r0 < RB; r0 += 4) {
+        float s[4];
+        hsum4(row(r0), row(r0 + 1), row(r0 + 2), row(r0 + 3), s);
+        for (int i = 0; i < 4 && r0 + i < RB; ++i) scores[(r0 + i) * CHUNK + j0] = s[i];
+      }
+    } else {
+      for (int r = 0; r < RB; ++r) {
+        float s[4];
+        if constexpr (KB == 4) hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s);
+        else hsum4(acc[r][0], acc[r][1], zero(), zero(), s);
+        for (int k = 0; k < KB && j0 + k < m; ++k) scores[r * CHUNK + j0 + k] = s[k];
+      }
     }
   }
 }
@@ -113,15 +126,14 @@ inline void score_block(const float* qs, const T* keys, int64_t m, float* scores
 // sums at part + r (D + 2) + 2): VS vectors of the head dimension at a time, held in registers
 // for all m keys.
 template <int C, int RB, class T>
-inline void value_block(const float* scores, const T* values, int64_t m, float* part, const T* next_keys) {
+inline void value_block(const float* scores, const T* values, int64_t m, float* part) {
   using namespace av;
-  constexpr int D = W * C, VS0 = four_wide(RB) ? 4 : 2, VS = VS0 < C ? VS0 : C;
+  constexpr int D = W * C, VS0 = width(RB), VS = VS0 < C ? VS0 : C;
   for (int c0 = 0; c0 < C; c0 += VS) {
     V o[RB][VS];
     for (int r = 0; r < RB; ++r)
       for (int c = 0; c < VS; ++c) o[r][c] = zero();
     for (int64_t j = 0; j < m; ++j) {
-      if (next_keys != nullptr && c0 == 0) fetch_ahead(next_keys + j * D, nullptr, D * sizeof(T));
       V p[RB];
       for (int r = 0; r < RB; ++r) p[r] = set1(scores[r * CHUNK + j]);
       for (int c = 0; c < VS; ++c) {
@@ -143,11 +155,11 @@ inline void score_rows(int64_t rb, const float* qs, const T* keys, int64_t m, fl
   score_block<C, RB, T>(qs, keys, m, scores, values);
 }
 template <int C, class T, int RB = 1>
-inline void value_rows(int64_t rb, const float* scores, const T* values, int64_t m, float* part, const T* next_keys) {
+inline void value_rows(int64_t rb, const float* scores, const T* values, int64_t m, float* part) {
   if constexpr (RB < av::RMAX) {
-    if (rb != RB) return value_rows<C, T, RB + 1>(rb, scores, values, m, part, next_keys);
+    if (rb != RB) return value_rows<C, T, RB + 1>(rb, scores, values, m, part);
   }
-  value_block<C, RB, T>(scores, values, m, part, next_keys);
+  value_block<C, RB, T>(scores, values, m, part);
 }
 
 // One item: rows r = t * G + g (token t sees keys lower[t] <= j < limit[t]) against keys
@@ -155,7 +167,7 @@ inline void value_rows(int64_t rb, const float* scores, const T* values, int64_t
 // (D floats); max = -inf when the row sees none of the chunk.
 template <int C, class T>
 void chunk(const float* qs, int64_t n, int64_t G, const int64_t* lower, const int64_t* limit, const T* keys,
-           const T* values, int64_t c0, int64_t c1, float* scores, float* part, const T* next_keys) {
+           const T* values, int64_t c0, int64_t c1, float* scores, float* part) {
   constexpr int D = av::W * C;
   const int64_t S = c1 - c0;
   for (int64_t t = 0; t < n; ++t) {
@@ -201,14 +213,14 @@ void chunk(const float* qs, int64_t n, int64_t G, const int64_t* lower, const in
         pr[i * (D + 2)] = top;
         pr[i * (D + 2) + 1] = hsum(total);
       }
-      value_rows<C, T>(rb, sr, v0, seen, pr, first ? next_keys : nullptr);
+      value_rows<C, T>(rb, sr, v0, seen, pr);
     }
   }
 }
 
 template <class T>
 using ChunkFn = void (*)(const float*, int64_t, int64_t, const int64_t*, const int64_t*, const T*, const T*, int64_t,
-                         int64_t, float*, float*, const T*);
+                         int64_t, float*, float*);
 
 template <class T>
 ChunkFn<T> pick(int64_t D) {
@@ -240,8 +252,10 @@ void attention_rows(const float* q, int64_t n, int64_t heads, int64_t D, const T
     lower[t] = window > 0 ? std::max(limit[t] - window, (int64_t)0) : 0;
   }
   const int64_t c_lo = lower[0] / CHUNK, chunks = (end + CHUNK - 1) / CHUNK - c_lo;  // lower[0] is the least
-  // Partials [kv_heads, chunks, R, D + 2]: max, sum, weighted values.
-  std::vector<float> part(kv_heads * chunks * R * (D + 2));
+  // Partials [kv_heads, chunks, R, D + 2]: max, sum, weighted values. Every row's max and sum
+  // are written, its weighted values only where it sees the chunk (the merge skips the others),
+  // so the buffer is not zeroed first.
+  const std::unique_ptr<float[]> part(new float[kv_heads * chunks * R * (D + 2)]);
   // Scaled queries by key/value head: qs[h][t * G + g] = scale * q[t][h * G + g].
   std::vector<float> qs(kv_heads * R * D);
   for (int64_t t = 0; t < n; ++t)
@@ -249,15 +263,13 @@ void attention_rows(const float* q, int64_t n, int64_t heads, int64_t D, const T
       for (int64_t d = 0; d < D; ++d)
         qs[((h / G) * R + t * G + h % G) * D + d] = q[(t * heads + h) * D + d] * scale;
   const int64_t items = kv_heads * chunks;
-  std::vector<float> scores(items * R * CHUNK);  // each item's own scratch
-  // A thread takes items in order (contiguous shares): while it sums an item's values it fetches
-  // the keys of the next one, which would otherwise wait on memory when its scoring starts.
-  const auto keys_of = [&](int64_t i) { return k + (i / chunks) * capacity * D + (c_lo + i % chunks) * CHUNK * D; };
   pool(threads).parallel_for(items, [&](int64_t i) {
     const int64_t h = i / chunks, c = c_lo + i % chunks;
+    // An item's scores live in scratch of its thread's own, still in cache from its item before.
+    thread_local std::vector<float> scores;
+    if ((int64_t)scores.size() < R * CHUNK) scores.resize(R * CHUNK);
     fn(qs.data() + h * R * D, n, G, lower.data(), limit.data(), k + h * capacity * D, v + h * capacity * D,
-       c * CHUNK, std::min((c + 1) * CHUNK, end), scores.data() + i * R * CHUNK, part.data() + i * R * (D + 2),
-       i + 1 < items ? keys_of(i + 1) : nullptr);
+       c * CHUNK, std::min((c + 1) * CHUNK, end), scores.data(), part.get() + i * R * (D + 2));
   });
   // Merge each row's chunks in order.
   std::vector<float> acc(D);
@@ -268,7 +280,7 @@ void attention_rows(const float* q, int64_t n, int64_t heads, int64_t D, const T
       float total = 0.0f;
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t c = 0; c < chunks; ++c) {
-        const float* pr = part.data() + ((h * chunks + c) * R + r) * (D + 2);
+        const float* pr = part.get() + ((h * chunks + c) * R + r) * (D + 2);
         if (pr[0] == -INFINITY) continue;
         const float w = std::exp(pr[0] - top);
         total += pr[1] * w;
