@@ -50,7 +50,7 @@ constexpr int64_t KEYS_AHEAD = 16;
 inline void fetch_ahead(const void* keys, const void* values, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) {
     __builtin_prefetch(static_cast<const char*>(keys) + o);
-    if (values != nullptr) __builtin_prefetch(static_cast<const char*>(values) + o, 0, 2);
+    __builtin_prefetch(static_cast<const char*>(values) + o, 0, 2);
   }
 }
 
