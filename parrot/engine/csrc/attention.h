@@ -10,7 +10,8 @@
 // The rows of one token (the G query heads of a key/value head) see the same keys and go through
 // the chunk together, up to RMAX at a time (8 in the AVX-512 builds, 6 in the others), with the
 // head dimension in the vector lanes (16 or 8): a score is a run of multiply-adds over the
-// dimension's slices, summed across lanes once (for 4 keys at a time, av::hsum4), and sum p v
+// dimension's slices, summed across lanes once (av::hsum4: 4 keys of a row at a time, or where
+// a block takes one key at a time, 4 rows), and sum p v
 // keeps each row's sums in registers for the whole chunk. Each key or value slice is read (and
 // widened from float16) once per block of rows: once per token where G <= RMAX (Qwen2.5's 6,
 // Gemma 3's 4, the embedded model's 3). Keys are never transposed: a one-token pass (3 rows per
