@@ -188,6 +188,18 @@ def _quantized_rows(x: torch.Tensor, unit: int = 32) -> torch.Tensor:
     return (torch.round(units * inverse) * (top / 127.0)).reshape(x.shape)
 
 
+def _fine_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the LM head's K-quant tiles round it (csrc/simd.h, quantize256_fine): per
+    super-block of 256, d = max |x| / (127 x 8); per unit of 32, f = ceil(8 max_unit / max) in 1..8
+    and q = round(x / (d f))."""
+    blocks = x.reshape(x.shape[0], -1, 8, 32)
+    top = blocks.abs().amax(dim=(-1, -2), keepdim=True)
+    unit = blocks.abs().amax(-1, keepdim=True)
+    levels = torch.where(top > 0, torch.ceil(unit * 8 / top).clamp(1, 8), torch.ones_like(unit))
+    inverse = torch.where(top > 0, torch.tensor(127.0 * 8) / top, torch.zeros_like(top))
+    return (torch.round(blocks * (inverse / levels)) * levels * (top / (127.0 * 8))).reshape(x.shape)
+
+
 # The wide K-quant kernels this CPU runs, checked against the avx2 build; on an AVX2-only CPU the
 # avx2 build's tiles against its own one-row passes.
 WIDE = [isa for isa in ("avx512", "amx") if isa in available_isas()] or [isa for isa in ("avx2",) if isa in available_isas()]
@@ -195,35 +207,40 @@ WIDE = [isa for isa in ("avx512", "amx") if isa in available_isas()] or [isa for
 
 @pytest.mark.parametrize("isa", WIDE)
 @pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
-def test_wide_k_quant_kernels_equal_the_avx2_steps(isa, kind):
+@pytest.mark.parametrize("fine", [False, True])
+def test_wide_k_quant_kernels_equal_the_avx2_steps(isa, kind, fine):
     # The AVX-512 build takes two steps of the packed K-quant layout per instruction (packed.h,
     # kpairs), and the amx set runs K-quant layers over 48 or more rows on AMX tiles with the
     # scales folded into the weights (Q4_K, Q5_K) or split into three digits (Q6_K; amx.h). Both
     # sum the same integers as the avx2 steps, so every output is bit for bit the avx2 build's:
     # one row of x (decoding), tiles of several, and (amx) whole and partial tiles of 16 rows and
-    # pairs of them, with 8-row groups of weights not filling one.
+    # pairs of them, with 8-row groups of weights not filling one. With `fine` (the LM head's
+    # rounding) every set runs packed.h's tiles: the AVX-512 pairs against the avx2 steps.
     if isa == "amx" and not kernels("amx").amx_ready:
         pytest.skip("the OS did not grant the AMX tile registers")
     blocks, _ = _random_blocks(kind, 40, 5 * 256, seed=6)
     generator = torch.Generator().manual_seed(6)
     for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40, 48, 49, 81):
         x = torch.randn(rows, 5 * 256, generator=generator) * 3
-        wide = kernels(isa).linear(x, BlockWeight(kind, blocks.data.clone()), q8=True)
+        wide = kernels(isa).linear(x, BlockWeight(kind, blocks.data.clone()), q8=True, fine=fine)
         if isa == "avx2":
-            narrow = torch.cat([kernels("avx2").linear(x[i : i + 1], BlockWeight(kind, blocks.data.clone()), q8=True)
+            narrow = torch.cat([kernels("avx2").linear(x[i : i + 1], BlockWeight(kind, blocks.data.clone()), q8=True, fine=fine)
                                 for i in range(rows)])
         else:
-            narrow = kernels("avx2").linear(x, BlockWeight(kind, blocks.data.clone()), q8=True)
+            narrow = kernels("avx2").linear(x, BlockWeight(kind, blocks.data.clone()), q8=True, fine=fine)
         assert wide.isfinite().sum() > rows * 20
         assert torch.equal(wide.nan_to_num(), narrow.nan_to_num())
 
 
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("kind", sorted(FORMATS))
-def test_q8_kernels_are_exact_products_of_the_rounded_rows(isa, kind):
+@pytest.mark.parametrize("fine", [False, True])
+def test_q8_kernels_are_exact_products_of_the_rounded_rows(isa, kind, fine):
     # With 8-bit activations, each output is the product of the row rounded to 8 bits per 32
     # (per super-block of 256 for the K-quant formats) and the reference's weights, to float32 rounding of the sum (integer sums are exact); float
     # formats keep float32 inputs. Rows 1..11 cover every tile; K of 21 units an odd last pair.
+    # `fine`: the K-quant formats' rows rounded with a multiplier per unit of 32 as well (_fine_rows);
+    # the 32-weight formats are rounded per 32 either way.
     weights = FORMATS[kind].block_weights
     k = 3 * weights if weights == 256 else 21 * 32
     blocks, reference = _random_blocks(kind, 128, k, seed=4)
@@ -234,14 +251,17 @@ def test_q8_kernels_are_exact_products_of_the_rounded_rows(isa, kind):
     weight = reference[usable].double()
     for rows in (1, 2, 3, 5, 8, 11):
         x = torch.randn(rows, k, generator=generator)
-        y = kernels(isa).linear(x, w, q8=True).double()
-        rounded = (x if kind in ("f32", "f16", "bf16") else _quantized_rows(x, min(weights, 256))).double()
+        y = kernels(isa).linear(x, w, q8=True, fine=fine).double()
+        if kind in ("f32", "f16", "bf16"):
+            rounded = x.double()
+        else:
+            rounded = (_fine_rows(x) if fine and weights == 256 else _quantized_rows(x, min(weights, 256))).double()
         bound = 1e-5 * (rounded.abs() @ weight.abs().T)
         assert ((y - rounded @ weight.T).abs() <= bound).all()
     x = torch.randn(13, k, generator=generator)
-    together = kernels(isa).linear(x, w, q8=True)
+    together = kernels(isa).linear(x, w, q8=True, fine=fine)
     for start, stop in ((0, 1), (2, 4), (3, 7), (1, 9), (4, 13)):
-        assert torch.equal(kernels(isa).linear(x[start:stop], w, q8=True), together[start:stop])
+        assert torch.equal(kernels(isa).linear(x[start:stop], w, q8=True, fine=fine), together[start:stop])
 
 
 @pytest.mark.parametrize("isa", available_isas())
@@ -271,3 +291,24 @@ def test_rows_of_every_block_format_are_the_gguf_reference_rows(isa, kind):
     assert torch.equal(ours.nan_to_num(), reference.nan_to_num())  # random bytes hold NaN weights too
     with pytest.raises(ValueError, match="out of range"):
         kernels(isa).rows(w, torch.tensor([40]))
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+def test_fine_rounding_keeps_small_units_beside_a_large_value(isa, kind):
+    # A hidden state with a few large channels (as Qwen2.5's have) rounds every other value of
+    # their super-blocks to steps of max / 127 under one multiplier; with a multiplier per unit of
+    # 32 (the LM head's rounding) the units without them keep 8 times that resolution here (their
+    # values are under an eighth of the large one). The units holding the large values keep
+    # their step, 1 unit in 8: the squared error should fall to about 1/8 + 7/8 / 64 = 0.14 of
+    # plain rounding's.
+    blocks, reference = _random_blocks(kind, 64, 4 * 256, seed=9)
+    usable = reference.isfinite().all(dim=1)
+    w = BlockWeight(kind, blocks.data[usable].contiguous())
+    weight = reference[usable].double()
+    x = torch.randn(6, 4 * 256, generator=torch.Generator().manual_seed(9))
+    x[:, ::256] = 40.0  # one large channel per super-block
+    exact = x.double() @ weight.T
+    plain = (kernels(isa).linear(x, w, q8=True).double() - exact).pow(2).mean()
+    fine = (kernels(isa).linear(x, w, q8=True, fine=True).double() - exact).pow(2).mean()
+    assert fine < 0.2 * plain

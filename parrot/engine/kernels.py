@@ -204,10 +204,12 @@ class Kernels:
         return torch.get_num_threads()
 
     def linear(self, x: torch.Tensor, weight: "BlockWeight | Sequence[BlockWeight]",
-               bias: torch.Tensor | None = None, q8: bool = False) -> torch.Tensor:
+               bias: torch.Tensor | None = None, q8: bool = False, fine: bool = False) -> torch.Tensor:
         """``x @ W.T (+ bias)``: x [M, K] float32, W in GGUF blocks (or parts of W along N, each
         in its own format); returns [M, N]. ``q8``: quantise x to 8 bits per 32 for the parts in
-        integer formats (the faster path; see csrc/packed.h)."""
+        integer formats (the faster path; see csrc/packed.h); ``fine`` (with q8): the K-quant
+        parts' x with a multiplier per unit of 32 too, as the LM head rounds it (csrc/simd.h,
+        quantize256_fine)."""
         parts = [weight] if not isinstance(weight, Sequence) else list(weight)
         if q8:
             for part in parts:
@@ -219,7 +221,7 @@ class Kernels:
         y = x.new_empty(x.shape[0], sum(p.shape[0] for p in parts))
         if x.shape[0]:
             chain = mats(parts, bias)
-            self._lib.parrot_linear(ctypes.byref(chain[0]), x.data_ptr(), x.shape[0], y.data_ptr(), self.threads(), int(q8))
+            self._lib.parrot_linear(ctypes.byref(chain[0]), x.data_ptr(), x.shape[0], y.data_ptr(), self.threads(), (2 if fine else 1) if q8 else 0)
         return y
 
     def pack(self, weight: "BlockWeight") -> None:

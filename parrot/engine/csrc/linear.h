@@ -87,14 +87,16 @@ void pack_matrix(const Mat* w, uint8_t* out) {
 }
 
 constexpr int64_t PIECES = 4;
+constexpr int Q8_FINE = 2;  // linear()'s q8 for x with multipliers per unit of 32 (below)
 
 // y = x @ W^T (+ bias) for x [M, K]; y [M, total N of the parts]. `q8`: quantise x to 8 bits
 // for the parts that have the 8-bit path (the K-quant formats, and the 32-weight formats given
-// their packed copy); 0: float32 throughout.
+// their packed copy); 0: float32 throughout. Q8_FINE: the K-quant parts' x with a multiplier per
+// unit of 32 as well (XK::fine; the LM head), on packed.h's tiles whatever the number of rows.
 void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int q8) {
   int64_t ldy = 0;
 #if defined(PARROT_AMX)
-  const bool amx = M >= AMX_MIN_ROWS && amx_ready();  // layers in the formats amx.h runs go there
+  const bool amx = M >= AMX_MIN_ROWS && q8 != Q8_FINE && amx_ready();  // layers in the formats amx.h runs go there
 #endif
   // K-quant parts on the packed tiles read x arranged (XK), parts on the AMX tiles read it in
   // their layout: each is made only where a part reads it.
@@ -119,7 +121,7 @@ void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int 
     });
   }
   const std::unique_ptr<XU> xu(q8 && any_packed ? new XU(x, M, w->K) : nullptr);
-  const std::unique_ptr<XK> xk(q8 && any_super && w->K % 256 == 0 ? new XK(x, M, w->K, threads, forms) : nullptr);
+  const std::unique_ptr<XK> xk(q8 && any_super && w->K % 256 == 0 ? new XK(x, M, w->K, threads, forms, q8 == Q8_FINE) : nullptr);
 #if defined(PARROT_AMX)
   if (xk && any_amx) amx_layout(*xk, M, threads);
 #endif

@@ -225,7 +225,7 @@ void forward(const Model* md, int64_t num_seqs, const Seq* seqs, const int64_t* 
     out_row += seqs[s].num_logits;
     row += seqs[s].n;
   }
-  if (rows_out > 0) linear(&md->lm_head, last.data(), rows_out, logits, threads, md->q8);
+  if (rows_out > 0) linear(&md->lm_head, last.data(), rows_out, logits, threads, md->q8 ? Q8_FINE : 0);
 }
 
 }  // namespace

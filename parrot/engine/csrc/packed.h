@@ -244,26 +244,38 @@ Tiles linear_packed(const W& w, const uint8_t* packed, const XU& x, int64_t M, f
 // arrangement for the tiles of a format with groups of that size. Their bytes are written whole,
 // so they are not zeroed first (a prompt chunk of 400 rows spent about 1% of its time zeroing
 // three copies of each layer's x in one thread).
+//
+// `fine` (the LM head's rows): each unit of 32 with its own multiplier f, 1 .. 8 (quantize256_fine),
+// kept per group of 16 (f16) and of 32 (f32) as the tiles read them; the sums are of q f.
 struct XK {
   // Which forms of q to keep: q (the AMX tiles), arranged by 16 (Q6_K), arranged by 32 (Q4_K, Q5_K).
   enum Forms : int { PLAIN = 1, BY16 = 2, BY32 = 4 };
   int64_t supers;
+  bool fine;
   std::unique_ptr<int8_t[]> q, q16, q32;
-  std::vector<int16_t> sums, sums32;
+  std::vector<int16_t> sums, sums32, f16, f32;
   std::vector<float> d;
-  XK(const float* x, int64_t M, int64_t K, int threads, int forms)
-      : supers(K / 256), q(bytes_if(forms & PLAIN, M * K)), q16(bytes_if(forms & BY16, M * K)),
-        q32(bytes_if(forms & BY32, M * K)), sums(M * supers * 16), sums32(M * supers * 8), d(M * supers) {
+  XK(const float* x, int64_t M, int64_t K, int threads, int forms, bool fine_ = false)
+      : supers(K / 256), fine(fine_), q(bytes_if(forms & PLAIN, M * K)), q16(bytes_if(forms & BY16, M * K)),
+        q32(bytes_if(forms & BY32, M * K)), sums(M * supers * 16), sums32(M * supers * 8),
+        f16(fine_ ? M * supers * 16 : 0), f32(fine_ ? M * supers * 8 : 0), d(M * supers) {
     pool(threads).parallel_for(M * supers, [&](int64_t at) {
       alignas(64) int8_t own[256];
       int8_t* qa = q ? &q[at * 256] : own;
-      d[at] = bytes::quantize256(x + at * 256, qa, &sums[at * 16]);
+      if (fine) {
+        d[at] = bytes::quantize256_fine(x + at * 256, qa, &sums[at * 16], &f32[at * 8]);
+        for (int g = 0; g < 16; ++g) f16[at * 16 + g] = f32[at * 8 + g / 2];
+      } else {
+        d[at] = bytes::quantize256(x + at * 256, qa, &sums[at * 16]);
+      }
       for (int g = 0; g < 8; ++g) sums32[at * 8 + g] = (int16_t)(sums[at * 16 + 2 * g] + sums[at * 16 + 2 * g + 1]);
       if (q16) arrange(qa, 16, &q16[at * 256]);
       if (q32) arrange(qa, 32, &q32[at * 256]);
     });
   }
   const int8_t* arranged(int G) const { return G == 16 ? q16.get() : q32.get(); }
+  // A row's unit multipliers by group of G (16 or 32 weights), from super-block 0 (fine only).
+  const int16_t* multipliers(int G, int64_t row) const { return G == 16 ? &f16[row * supers * 16] : &f32[row * supers * 8]; }
   // The AMX kernel set's layout of q and of the group sums (amx.h's amx_layout), where a layer's
   // parts run on it; empty otherwise.
   std::vector<int8_t> amx_tiles;
@@ -364,14 +376,17 @@ void kpack(const W& w, int64_t N, uint8_t* out) {
 // Xeon: 32 GB/s of packed weights from L2 on one core, 14 from memory). Qwen2.5-Coder-1.5B,
 // interleaved A/B: one-token pass 50.0-50.3 -> 44.1-45.5 ms; a 512-token chunk 4.06-4.07 s with
 // x broadcast per row, 3.58-3.68 s with the weights interleaved instead.
-template <int MT, class P>
-inline void kpairs(const uint8_t* blk, const int8_t* const* xa, int64_t sb, bytes::S* total) {
+template <int MT, class P, bool FINE>
+inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* const* xf, int64_t sb, bytes::S* total) {
   using namespace bytes;
   static_assert(P::S % (2 * P::FLUSH) == 0 && P::S % 4 == 0, "whole pairs of steps, flushed within a block");
   S2 sums[MT];
   for (int i = 0; i < MT; ++i) sums[i] = szero2();
   for (int b = 0; b < P::NB; ++b) {
     const H2 scale = hsigned2(blk + P::SC_AT + 16 * b);
+    H2 scaled[FINE ? MT : 1];  // FINE: each row's scales times its multipliers, made once per block
+    if constexpr (FINE)
+      for (int i = 0; i < MT; ++i) scaled[i] = hmul2(scale, hpair2(xf[i] + sb * (256 / P::G) + 2 * b));
     const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
     const int8_t* xb[MT];
     for (int i = 0; i < MT; ++i) xb[i] = xa[i] + sb * 256 + b * 2 * P::G;
@@ -387,7 +402,10 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, int64_t sb, byte
         hpin2(part[i]);
       }
       if ((t + 2) % (2 * P::FLUSH) == 0)
-        for (int i = 0; i < MT; ++i) { sums[i] = sadd2(sums[i], hdot2(part[i], scale)); part[i] = hzero2(); }
+        for (int i = 0; i < MT; ++i) {
+          sums[i] = sadd2(sums[i], hdot2(part[i], FINE ? scaled[i] : scale));
+          part[i] = hzero2();
+        }
     }
   }
   for (int i = 0; i < MT; ++i) total[i] = fold(sums[i]);
@@ -395,16 +413,23 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, int64_t sb, byte
 #endif
 
 // MT rows of x (from `row`) against one group of 8 weight rows, a super-block at a time; `far`
-// as group_tiles passes it.
-template <int MT, class W>
+// as group_tiles passes it. FINE: x with a multiplier per unit of 32 (XK::fine), which multiplies
+// each group's weight scale (both at most 8 bits: the 16-bit product is exact) before its sums
+// are scaled.
+template <int MT, class W, bool FINE>
 inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, int64_t valid, float* y, int64_t ldy,
                    bool far) {
   using namespace bytes;
   using P = KLayout<W>;
   const int64_t supers = x.supers;
   const int8_t* xa[MT];
+  const int16_t* xf[MT] = {};
   G acc[MT];
-  for (int i = 0; i < MT; ++i) { acc[i] = gzero(); xa[i] = x.arranged(P::G) + (row + i) * supers * 256; }
+  for (int i = 0; i < MT; ++i) {
+    acc[i] = gzero();
+    xa[i] = x.arranged(P::G) + (row + i) * supers * 256;
+    if constexpr (FINE) xf[i] = x.multipliers(P::G, row + i);
+  }
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* blk = group + sb * P::BYTES;
     // The first tile of rows brings the group's weights in; the next ones find them in L1 or L2
@@ -413,11 +438,14 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
     if (far || row == 0) fetch_ahead(blk, P::BYTES, far);
     S total[MT];
 #if defined(PARROT_AVX512)
-    kpairs<MT, P>(blk, xa, sb, total);
+    kpairs<MT, P, FINE>(blk, xa, xf, sb, total);
 #else
     for (int i = 0; i < MT; ++i) total[i] = szero();
     for (int b = 0; b < P::NB; ++b) {
       const H scale = hsigned(blk + P::SC_AT + 16 * b);  // signed bytes (Q4_K's and Q5_K's 6-bit scales read the same)
+      H scaled[FINE ? MT : 1];  // FINE: each row's scales times its multipliers, made once per block
+      if constexpr (FINE)
+        for (int i = 0; i < MT; ++i) scaled[i] = hmul(scale, hpair(xf[i] + sb * (256 / P::G) + 2 * b));
       const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
       H part[MT];
       for (int i = 0; i < MT; ++i) part[i] = hzero();
@@ -431,7 +459,10 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
           hpin(part[i]);
         }
         if ((t + 1) % P::FLUSH == 0)
-          for (int i = 0; i < MT; ++i) { total[i] = sadd(total[i], hdot(part[i], scale)); part[i] = hzero(); }
+          for (int i = 0; i < MT; ++i) {
+            total[i] = sadd(total[i], hdot(part[i], FINE ? scaled[i] : scale));
+            part[i] = hzero();
+          }
       }
     }
 #endif
@@ -458,7 +489,8 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
 template <class W>
 Tiles linear_kpacked(const W& w, const uint8_t* packed, const XK& x, int64_t M, float* y, int64_t N, int64_t ldy) {
   return group_tiles<KTILE_ROWS>(packed, (w.K / 256) * KLayout<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid, bool far) {
-    kptile<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy, far);
+    if (x.fine) kptile<decltype(mt)::value, W, true>(group, x, i, n, valid, y, ldy, far);
+    else kptile<decltype(mt)::value, W, false>(group, x, i, n, valid, y, ldy, far);
   });
 }
 

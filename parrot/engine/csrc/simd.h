@@ -12,6 +12,7 @@
 
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -345,6 +346,7 @@ inline S widen(H a) { return {_mm256_madd_epi16(a.v, _mm256_set1_epi16(1))}; }
 inline void hpin(H& a) { asm("" : "+x"(a.v)); }
 inline H hbytes(const uint8_t* p) { return {_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p))}; }   // 16 unsigned bytes
 inline H hpair(const int16_t* p) { int32_t v; std::memcpy(&v, p, 4); return {_mm256_set1_epi32(v)}; }  // p[0], p[1], 8 times
+inline H hmul(H a, H b) { return {_mm256_mullo_epi16(a.v, b.v)}; }  // lane by lane, the low 16 bits
 inline S sset1(int32_t a) { return {_mm256_set1_epi32(a)}; }
 inline G ghalf8(const uint8_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }  // 8 float16
 inline void gstore(float* p, G a) { _mm256_storeu_ps(p, a.v); }
@@ -402,6 +404,8 @@ inline H2 hsigned2(const uint8_t* p) {
   return {_mm512_permutexvar_epi32(rows_twice(), _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p))))};
 }
 inline S2 hdot2(H2 a, H2 b) { return {_mm512_madd_epi16(a.v, b.v)}; }
+inline H2 hmul2(H2 a, H2 b) { return {_mm512_mullo_epi16(a.v, b.v)}; }
+inline H2 hpair2(const int16_t* p) { int32_t v; std::memcpy(&v, p, 4); return {_mm512_set1_epi32(v)}; }  // p[0], p[1], 16 times
 inline S2 sadd2(S2 a, S2 b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline S2 szero2() { return {_mm512_setzero_si512()}; }
 // Row r's sum: lanes 2r + 2r + 1.
@@ -511,6 +515,7 @@ inline B fifth(B h, int t) { return {(vb)(((h.v >> t) & 1) << 4)}; }
 inline B sixth(B h, int s) { return {(vb)(((h.v >> (2 * s)) & 3) << 4)}; }
 inline H hbytes(const uint8_t* p) { H a; for (int k = 0; k < 16; ++k) a.v[k] = p[k]; return a; }
 inline H hpair(const int16_t* p) { H a; for (int k = 0; k < 16; ++k) a.v[k] = p[k % 2]; return a; }
+inline H hmul(H a, H b) { return {(vh)(a.v * b.v)}; }
 inline S sset1(int32_t a) { return {vw{} + a}; }
 inline G ghalf8(const uint8_t* p) { G a; for (int k = 0; k < 8; ++k) a.v[k] = half(p + 2 * k); return a; }
 inline void gstore(float* p, G a) { std::memcpy(p, &a.v, 32); }
@@ -540,6 +545,31 @@ inline float quantize(const float* x, int8_t* q, int32_t* sums) {
   const float top = amax(x, 32);
   round_bytes(x, top > 0.0f ? 127.0f / top : 0.0f, q, sums);
   return top / 127.0f;
+}
+
+// Levels of a unit's multiplier under quantize256_fine: FINE_LEVELS (8) at most. The bound is
+// the packed K-quant tiles' int32 super-block sum (Q6_K: 16 groups x 16 x 63 x 127 x 128 x 8 <
+// 2^31) and their 16-bit scale products (128 x 8).
+constexpr int FINE_LEVELS = 8;
+
+// 256 floats -> q in units of 32, each unit u with its own multiplier f[u] in 1 .. FINE_LEVELS:
+// x ~ q d f[u] with d = max |x| / (127 FINE_LEVELS) for all 256 and f[u] = ceil(FINE_LEVELS
+// max_u / max) (the unit holding the maximum: FINE_LEVELS, q up to 127, as quantize256). A unit
+// of small values then keeps up to FINE_LEVELS times the resolution it has under quantize256.
+// q's sums by 16 are returned multiplied by their unit's f (the sums of q f, which the K-quant
+// tiles' min and offset terms take); returns d.
+inline float quantize256_fine(const float* x, int8_t* q, int16_t* sums16, int16_t* f) {
+  const float top = amax(x, 256), inv = top > 0.0f ? (127.0f * FINE_LEVELS) / top : 0.0f;
+  for (int u = 0; u < 8; ++u) {
+    const float unit = amax(x + 32 * u, 32);
+    const int levels = top > 0.0f ? std::clamp((int)std::ceil(unit * FINE_LEVELS / top), 1, FINE_LEVELS) : 1;
+    int32_t fours[8];
+    round_bytes(x + 32 * u, inv / (float)levels, q + 32 * u, fours);
+    f[u] = (int16_t)levels;
+    sums16[2 * u] = (int16_t)(levels * (fours[0] + fours[1] + fours[2] + fours[3]));
+    sums16[2 * u + 1] = (int16_t)(levels * (fours[4] + fours[5] + fours[6] + fours[7]));
+  }
+  return top / (127.0f * FINE_LEVELS);
 }
 
 // 256 floats (a K-quant super-block) -> q as quantize() with one d = max |x| / 127 for all 256,
