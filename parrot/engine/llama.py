@@ -267,7 +267,7 @@ class Linear:
     """
 
     def __init__(self, names: Sequence[str], modules: Sequence[torch.nn.Linear], blocks: dict[str, BlockWeight],
-                 kernels: Kernels | None, q8: bool = False) -> None:
+                 kernels: Kernels | None, q8: bool = False, fine: bool = False) -> None:
         biases = [m.bias for m in modules]
         self.bias = None
         if any(b is not None for b in biases):
@@ -279,6 +279,7 @@ class Linear:
         self._dense: PackedLinear | None = None
         self.kernels = kernels
         self.q8 = q8
+        self.fine = fine  # with q8: x rounded with a factor per 32 too, as the compiled pass rounds the LM head's
         # Block weights, as parts along N, each as the GGUF has it (q, k, v may differ in format:
         # Q4_K_M files keep v in Q6_K on some layers). Not concatenated: that would copy them;
         # the kernels run every part of a layer in one parallel job.
@@ -298,7 +299,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, small: bool = False) -> torch.Tensor:
         if small and self.blocks is not None and self.kernels is not None:
-            return self.kernels.linear(x, self.blocks, self.bias, q8=self.q8)
+            return self.kernels.linear(x, self.blocks, self.bias, q8=self.q8, fine=self.fine)
         return self.dense(x)
 
     def mat(self) -> Any:
@@ -471,7 +472,7 @@ class LlamaForward:
             self.layers = [_Layer(i, layer, blocks, kernels, q8, self.family, kind, window if kind == SLIDING else 0)
                            for i, (layer, kind) in enumerate(zip(inner.layers, kinds))]
             self.final_norm = _norm_factor(inner.norm, self.family)
-            self.lm_head = Linear(["lm_head.weight"], [hf_model.lm_head], blocks, kernels, q8)
+            self.lm_head = Linear(["lm_head.weight"], [hf_model.lm_head], blocks, kernels, q8, fine=True)
             # Rotary tables [positions, head_dim] per layer type, computed by the model's own
             # rotary module (it knows the rope scaling type) as far as sequences reach (_fill_rope).
             self._rotaries = _rotaries(config, inner.rotary_emb)
