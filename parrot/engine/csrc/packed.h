@@ -245,37 +245,33 @@ Tiles linear_packed(const W& w, const uint8_t* packed, const XU& x, int64_t M, f
 // so they are not zeroed first (a prompt chunk of 400 rows spent about 1% of its time zeroing
 // three copies of each layer's x in one thread).
 //
-// `fine` (the LM head's rows): each unit of 32 with its own multiplier f, 1 .. 8 (quantize256_fine),
-// kept per group of 16 (f16) and of 32 (f32) as the tiles read them; the sums are of q f.
+// `fine` (the LM head's rows): each unit of 32 with its own multiplier f, 1 .. 8 (quantize256_fine;
+// 8 per row and super-block); the sums are of q f.
 struct XK {
   // Which forms of q to keep: q (the AMX tiles), arranged by 16 (Q6_K), arranged by 32 (Q4_K, Q5_K).
   enum Forms : int { PLAIN = 1, BY16 = 2, BY32 = 4 };
   int64_t supers;
   bool fine;
   std::unique_ptr<int8_t[]> q, q16, q32;
-  std::vector<int16_t> sums, sums32, f16, f32;
+  std::vector<int16_t> sums, sums32, f;
   std::vector<float> d;
   XK(const float* x, int64_t M, int64_t K, int threads, int forms, bool fine_ = false)
       : supers(K / 256), fine(fine_), q(bytes_if(forms & PLAIN, M * K)), q16(bytes_if(forms & BY16, M * K)),
         q32(bytes_if(forms & BY32, M * K)), sums(M * supers * 16), sums32(M * supers * 8),
-        f16(fine_ ? M * supers * 16 : 0), f32(fine_ ? M * supers * 8 : 0), d(M * supers) {
+        f(fine_ ? M * supers * 8 : 0), d(M * supers) {
     pool(threads).parallel_for(M * supers, [&](int64_t at) {
       alignas(64) int8_t own[256];
       int8_t* qa = q ? &q[at * 256] : own;
-      if (fine) {
-        d[at] = bytes::quantize256_fine(x + at * 256, qa, &sums[at * 16], &f32[at * 8]);
-        for (int g = 0; g < 16; ++g) f16[at * 16 + g] = f32[at * 8 + g / 2];
-      } else {
-        d[at] = bytes::quantize256(x + at * 256, qa, &sums[at * 16]);
-      }
+      d[at] = fine ? bytes::quantize256_fine(x + at * 256, qa, &sums[at * 16], &f[at * 8])
+                   : bytes::quantize256(x + at * 256, qa, &sums[at * 16]);
       for (int g = 0; g < 8; ++g) sums32[at * 8 + g] = (int16_t)(sums[at * 16 + 2 * g] + sums[at * 16 + 2 * g + 1]);
       if (q16) arrange(qa, 16, &q16[at * 256]);
       if (q32) arrange(qa, 32, &q32[at * 256]);
     });
   }
   const int8_t* arranged(int G) const { return G == 16 ? q16.get() : q32.get(); }
-  // A row's unit multipliers by group of G (16 or 32 weights), from super-block 0 (fine only).
-  const int16_t* multipliers(int G, int64_t row) const { return G == 16 ? &f16[row * supers * 16] : &f32[row * supers * 8]; }
+  // A row's unit multipliers, from super-block 0 (fine only).
+  const int16_t* multipliers(int64_t row) const { return &f[row * supers * 8]; }
   // The AMX kernel set's layout of q and of the group sums (amx.h's amx_layout), where a layer's
   // parts run on it; empty otherwise.
   std::vector<int8_t> amx_tiles;
@@ -366,6 +362,15 @@ void kpack(const W& w, int64_t N, uint8_t* out) {
     }
 }
 
+// The multipliers of block b's two groups (f: a super-block's 8 units of 32) as one 32-bit pair,
+// the first group's in the low half, as the block's scales hold a row's two: groups 2b, 2b + 1
+// are units 2b, 2b + 1 with groups of 32, and both unit b with groups of 16.
+template <class P>
+inline int32_t factor_pair(const int16_t* f, int b) {
+  const int16_t first = P::G == 32 ? f[2 * b] : f[b], second = P::G == 32 ? f[2 * b + 1] : f[b];
+  return (int32_t)((uint16_t)first | (uint32_t)(uint16_t)second << 16);
+}
+
 #if defined(PARROT_AVX512)
 // The integer sums of super-block sb of a group (at blk) with MT rows of x (xa: each row's
 // arranged bytes), two steps per instruction (simd.h's B2: the two steps' vectors interleaved by
@@ -386,7 +391,7 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* c
     const H2 scale = hsigned2(blk + P::SC_AT + 16 * b);
     H2 scaled[FINE ? MT : 1];  // FINE: each row's scales times its multipliers, made once per block
     if constexpr (FINE)
-      for (int i = 0; i < MT; ++i) scaled[i] = hmul2(scale, hpair2(xf[i] + sb * (256 / P::G) + 2 * b));
+      for (int i = 0; i < MT; ++i) scaled[i] = hmul2(scale, hpairs2(factor_pair<P>(xf[i] + sb * 8, b)));
     const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
     const int8_t* xb[MT];
     for (int i = 0; i < MT; ++i) xb[i] = xa[i] + sb * 256 + b * 2 * P::G;
@@ -428,7 +433,7 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
   for (int i = 0; i < MT; ++i) {
     acc[i] = gzero();
     xa[i] = x.arranged(P::G) + (row + i) * supers * 256;
-    if constexpr (FINE) xf[i] = x.multipliers(P::G, row + i);
+    if constexpr (FINE) xf[i] = x.multipliers(row + i);
   }
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* blk = group + sb * P::BYTES;
@@ -445,7 +450,7 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
       const H scale = hsigned(blk + P::SC_AT + 16 * b);  // signed bytes (Q4_K's and Q5_K's 6-bit scales read the same)
       H scaled[FINE ? MT : 1];  // FINE: each row's scales times its multipliers, made once per block
       if constexpr (FINE)
-        for (int i = 0; i < MT; ++i) scaled[i] = hmul(scale, hpair(xf[i] + sb * (256 / P::G) + 2 * b));
+        for (int i = 0; i < MT; ++i) scaled[i] = hmul(scale, hpairs(factor_pair<P>(xf[i] + sb * 8, b)));
       const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
       H part[MT];
       for (int i = 0; i < MT; ++i) part[i] = hzero();

@@ -347,6 +347,7 @@ inline void hpin(H& a) { asm("" : "+x"(a.v)); }
 inline H hbytes(const uint8_t* p) { return {_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p))}; }   // 16 unsigned bytes
 inline H hpair(const int16_t* p) { int32_t v; std::memcpy(&v, p, 4); return {_mm256_set1_epi32(v)}; }  // p[0], p[1], 8 times
 inline H hmul(H a, H b) { return {_mm256_mullo_epi16(a.v, b.v)}; }  // lane by lane, the low 16 bits
+inline H hpairs(int32_t v) { return {_mm256_set1_epi32(v)}; }  // v's low and high 16 bits, 8 times
 inline S sset1(int32_t a) { return {_mm256_set1_epi32(a)}; }
 inline G ghalf8(const uint8_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }  // 8 float16
 inline void gstore(float* p, G a) { _mm256_storeu_ps(p, a.v); }
@@ -405,7 +406,7 @@ inline H2 hsigned2(const uint8_t* p) {
 }
 inline S2 hdot2(H2 a, H2 b) { return {_mm512_madd_epi16(a.v, b.v)}; }
 inline H2 hmul2(H2 a, H2 b) { return {_mm512_mullo_epi16(a.v, b.v)}; }
-inline H2 hpair2(const int16_t* p) { int32_t v; std::memcpy(&v, p, 4); return {_mm512_set1_epi32(v)}; }  // p[0], p[1], 16 times
+inline H2 hpairs2(int32_t v) { return {_mm512_set1_epi32(v)}; }  // v's low and high 16 bits, 16 times
 inline S2 sadd2(S2 a, S2 b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline S2 szero2() { return {_mm512_setzero_si512()}; }
 // Row r's sum: lanes 2r + 2r + 1.
@@ -516,6 +517,7 @@ inline B sixth(B h, int s) { return {(vb)(((h.v >> (2 * s)) & 3) << 4)}; }
 inline H hbytes(const uint8_t* p) { H a; for (int k = 0; k < 16; ++k) a.v[k] = p[k]; return a; }
 inline H hpair(const int16_t* p) { H a; for (int k = 0; k < 16; ++k) a.v[k] = p[k % 2]; return a; }
 inline H hmul(H a, H b) { return {(vh)(a.v * b.v)}; }
+inline H hpairs(int32_t v) { H r; for (int k = 0; k < 16; ++k) r.v[k] = (int16_t)(k % 2 ? v >> 16 : v); return r; }
 inline S sset1(int32_t a) { return {vw{} + a}; }
 inline G ghalf8(const uint8_t* p) { G a; for (int k = 0; k < 8; ++k) a.v[k] = half(p + 2 * k); return a; }
 inline void gstore(float* p, G a) { std::memcpy(p, &a.v, 32); }
