@@ -215,13 +215,15 @@ def test_wide_k_quant_kernels_equal_the_avx2_steps(isa, kind, fine):
     # sum the same integers as the avx2 steps, so every output is bit for bit the avx2 build's:
     # one row of x (decoding), tiles of several, and (amx) whole and partial tiles of 16 rows and
     # pairs of them, with 8-row groups of weights not filling one. With `fine` (the LM head's
-    # rounding) every set runs packed.h's tiles: the AVX-512 pairs against the avx2 steps.
+    # rounding) every set runs packed.h's tiles: the AVX-512 pairs against the avx2 steps. Units
+    # of 32 of different sizes, so that the fine multipliers take every value 1 .. 8.
     if isa == "amx" and not kernels("amx").amx_ready:
         pytest.skip("the OS did not grant the AMX tile registers")
     blocks, _ = _random_blocks(kind, 40, 5 * 256, seed=6)
     generator = torch.Generator().manual_seed(6)
     for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40, 48, 49, 81):
-        x = torch.randn(rows, 5 * 256, generator=generator) * 3
+        units = torch.rand(rows, 5 * 8, 1, generator=generator).pow(2)
+        x = (torch.randn(rows, 5 * 8, 32, generator=generator) * 3 * units).reshape(rows, 5 * 256)
         wide = kernels(isa).linear(x, BlockWeight(kind, blocks.data.clone()), q8=True, fine=fine)
         if isa == "avx2":
             narrow = torch.cat([kernels("avx2").linear(x[i : i + 1], BlockWeight(kind, blocks.data.clone()), q8=True, fine=fine)
