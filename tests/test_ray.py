@@ -47,10 +47,28 @@ def ray_parrot():
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         config = load_config(None, overrides={"model": {"source": "embedded", "threads": 1}})
         serve.run(build_app(config, replicas=2, num_cpus=1), name="parrot", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        _until_the_gateway_routes_to_both(url)
+        yield url
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _until_the_gateway_routes_to_both(url: str) -> None:
+    """Requests with new session keys until both replicas have answered one: the gateway's router
+    learns the replicas after serve.run returns, and a session key hashed while it knew only one
+    would move once it learns the other (seen on a loaded machine)."""
+    seen: set[str] = set()
+    for i in range(40):
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "user": f"warm-up-{i}"}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        seen.add(r.headers["x-parrot-replica"])
+        if len(seen) == 2:
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"40 session keys all reached {seen}")
 
 
 def _ask(url: str, session: int, k: int, log: list) -> dict:
