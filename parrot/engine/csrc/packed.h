@@ -8,6 +8,7 @@
 #include "tiles.h"
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -247,6 +248,15 @@ Tiles linear_packed(const W& w, const uint8_t* packed, const XU& x, int64_t M, f
 //
 // `fine` (the LM head's rows): each unit of 32 with its own multiplier f, 1 .. 8 (quantize256_fine;
 // 8 per row and super-block); the sums are of q f.
+//
+// `split` (the rows of every K-quant layer but the LM head): a row's outliers, its values over
+// SPLIT_BETA times its root mean square (the SPLIT_MAX largest of them at most), are taken out
+// before it is rounded and added back in float32 by add_outliers. One such value sets the step of
+// its whole super-block, and Qwen2.5's ffn_down inputs have about 10 per row: rounded with them,
+// the 8-bit path's next-token distributions diverged from float32's about twice as much (KL
+// 0.001508 against 0.000785 over docs/PERFORMANCE.md's "Perplexity" text).
+constexpr float SPLIT_BETA = 8.0f;
+constexpr int SPLIT_MAX = 16;
 struct XK {
   // Which forms of q to keep: q (the AMX tiles), arranged by 16 (Q6_K), arranged by 32 (Q4_K, Q5_K).
   enum Forms : int { PLAIN = 1, BY16 = 2, BY32 = 4 };
@@ -255,15 +265,37 @@ struct XK {
   std::unique_ptr<int8_t[]> q, q16, q32;
   std::vector<int16_t> sums, sums32, f;
   std::vector<float> d;
-  XK(const float* x, int64_t M, int64_t K, int threads, int forms, bool fine_ = false)
+  // split: row i's outliers are out_c / out_v [i SPLIT_MAX, i SPLIT_MAX + outliers[i]), by channel.
+  std::vector<int32_t> outliers, out_c;
+  std::vector<float> out_v;
+  bool any_outliers = false;
+  XK(const float* x, int64_t M, int64_t K, int threads, int forms, bool fine_ = false, bool split = false)
       : supers(K / 256), fine(fine_), q(bytes_if(forms & PLAIN, M * K)), q16(bytes_if(forms & BY16, M * K)),
         q32(bytes_if(forms & BY32, M * K)), sums(M * supers * 16), sums32(M * supers * 8),
         f(fine_ ? M * supers * 8 : 0), d(M * supers) {
+    if (split) {
+      outliers.assign(M, 0);
+      out_c.resize(M * SPLIT_MAX);
+      out_v.resize(M * SPLIT_MAX);
+      pool(threads).parallel_for(M, [&](int64_t i) { find_outliers(x + i * K, K, i); });
+      for (int64_t i = 0; i < M; ++i) any_outliers |= outliers[i] > 0;
+    }
     pool(threads).parallel_for(M * supers, [&](int64_t at) {
       alignas(64) int8_t own[256];
       int8_t* qa = q ? &q[at * 256] : own;
-      d[at] = fine ? bytes::quantize256_fine(x + at * 256, qa, &sums[at * 16], &f[at * 8])
-                   : bytes::quantize256(x + at * 256, qa, &sums[at * 16]);
+      const float* xs = x + at * 256;
+      alignas(64) float rest[256];  // the super-block without the row's outliers
+      if (any_outliers) {
+        const int64_t i = at / supers, first = at % supers * 256;
+        for (int o = 0; o < outliers[i]; ++o) {
+          const int64_t c = out_c[i * SPLIT_MAX + o];
+          if (c < first || c >= first + 256) continue;
+          if (xs != rest) { std::memcpy(rest, xs, sizeof rest); xs = rest; }
+          rest[c - first] = 0.0f;
+        }
+      }
+      d[at] = fine ? bytes::quantize256_fine(xs, qa, &sums[at * 16], &f[at * 8])
+                   : bytes::quantize256(xs, qa, &sums[at * 16]);
       for (int g = 0; g < 8; ++g) sums32[at * 8 + g] = (int16_t)(sums[at * 16 + 2 * g] + sums[at * 16 + 2 * g + 1]);
       if (q16) arrange(qa, 16, &q16[at * 256]);
       if (q32) arrange(qa, 32, &q32[at * 256]);
@@ -278,6 +310,36 @@ struct XK {
   std::vector<int32_t> amx_pairs;
 
  private:
+  // Row i's outliers (x its K values): those with x^2 over SPLIT_BETA^2 times the mean square,
+  // the largest SPLIT_MAX (the lower channel first between equals), kept in channel order.
+  // The squares are summed in 16 lanes (k % 16), then the lanes in order: the same sum on every
+  // kernel set, in vector instructions (one chain of 8,960 additions took longer than the rest).
+  void find_outliers(const float* x, int64_t K, int64_t i) {
+    float lanes[16] = {};
+    for (int64_t k = 0; k < K; k += 16)
+      for (int l = 0; l < 16; ++l) lanes[l] += x[k + l] * x[k + l];
+    float squares = 0.0f;
+    for (int l = 0; l < 16; ++l) squares += lanes[l];
+    const float bound = SPLIT_BETA * SPLIT_BETA * (squares / (float)K);
+    std::vector<std::pair<float, int32_t>> over;  // (-|x|, channel)
+    for (int64_t k = 0; k < K; k += 16) {
+      bool any = false;  // 16 at a time, where none is over (most rows of most layers)
+      for (int l = 0; l < 16; ++l) any |= x[k + l] * x[k + l] > bound;
+      if (any)
+        for (int l = 0; l < 16; ++l)
+          if (x[k + l] * x[k + l] > bound) over.emplace_back(-std::fabs(x[k + l]), (int32_t)(k + l));
+    }
+    if ((int)over.size() > SPLIT_MAX) {
+      std::partial_sort(over.begin(), over.begin() + SPLIT_MAX, over.end());
+      over.resize(SPLIT_MAX);
+    }
+    std::sort(over.begin(), over.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+    outliers[i] = (int32_t)over.size();
+    for (size_t o = 0; o < over.size(); ++o) {
+      out_c[i * SPLIT_MAX + o] = over[o].second;
+      out_v[i * SPLIT_MAX + o] = x[over[o].second];
+    }
+  }
   static std::unique_ptr<int8_t[]> bytes_if(bool keep, int64_t n) { return keep ? std::unique_ptr<int8_t[]>(new int8_t[n]) : nullptr; }
   static void arrange(const int8_t* in, int G, int8_t* out) {
     for (int b = 0; b < 256 / (2 * G); ++b)
@@ -497,6 +559,84 @@ Tiles linear_kpacked(const W& w, const uint8_t* packed, const XK& x, int64_t M, 
     if (x.fine) kptile<decltype(mt)::value, W, true>(group, x, i, n, valid, y, ldy, far);
     else kptile<decltype(mt)::value, W, false>(group, x, i, n, valid, y, ldy, far);
   });
+}
+
+// x's outliers (XK split) times the weights of group g (8 weight rows, outputs n .. n + valid -
+// 1; `group` its packed super-blocks) added to rows 0 .. M - 1 of y: per row, the sum over its
+// outliers in channel order of the outlier times the de-quantised weight of its channel, in
+// float32, then added to y. Every kernel set does the same float operations in the same order
+// (the library is built without contracting them to fused multiply-adds): 8 weight rows per
+// vector where there is AVX2, one at a time elsewhere.
+template <class W>
+void add_outliers(const uint8_t* group, const XK& x, int64_t M, int64_t n, int64_t valid, float* y, int64_t ldy) {
+  using P = KLayout<W>;
+  constexpr int OFFSET = W::SHIFT > 0 ? 1 << W::SHIFT : 0;
+  for (int64_t i = 0; i < M; ++i) {
+    if (x.outliers[i] == 0) continue;
+    alignas(32) float sum[8] = {};
+#if defined(__AVX2__)
+    __m256 total = _mm256_setzero_ps();
+#endif
+    for (int o = 0; o < x.outliers[i]; ++o) {
+      const int32_t c = x.out_c[i * SPLIT_MAX + o];
+      const float v = x.out_v[i * SPLIT_MAX + o];
+      const uint8_t* blk = group + (c / 256) * P::BYTES;
+      // The channel's place in the layout (KLayout::value_at inverted): block b, step t, byte j
+      // of each row's 4, in the first (h = 0) or second group of the block.
+      const int k = c % 256, in_group = k % P::G, h = k / P::G % 2, b = k / (2 * P::G), t = in_group / 2,
+                j = 2 * h + in_group % 2;
+      const uint8_t* vb = blk + P::BLK_AT + b * P::BLOCK;
+#if defined(__AVX2__)
+      // Byte 2 r + h of 16 (a row's scale or min of this group), r = 0 .. 7, in the low 8 bytes.
+      const __m128i order = _mm_add_epi8(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1),
+                                         _mm_setr_epi8(h, h, h, h, h, h, h, h, 0, 0, 0, 0, 0, 0, 0, 0));
+      const auto pick = [&](const uint8_t* at) { return _mm_shuffle_epi8(_mm_loadu_si128((const __m128i*)at), order); };
+      // Byte j of each row's 4 (32 bytes at `at`), shifted right by `shift`, as 8 int32.
+      const auto lanes = [j](const uint8_t* at, int shift) {
+        return _mm256_srl_epi32(_mm256_loadu_si256((const __m256i*)at), _mm_cvtsi32_si128(8 * j + shift));
+      };
+      __m256i u = _mm256_and_si256(lanes(vb + P::low_byte(t, 0, 0), P::low_shift(t)), _mm256_set1_epi32(15));
+      if constexpr (P::VB > 4)
+        u = _mm256_or_si256(u, _mm256_slli_epi32(_mm256_and_si256(lanes(vb + P::high_byte(t, 0, 0), P::high_shift(t)),
+                                                                   _mm256_set1_epi32(P::HIGH_MASK)), 4));
+      const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk)),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(pick(blk + P::SC_AT + 16 * b))));
+      __m256 w = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(OFFSET))));
+      if constexpr (P::MIN)
+        w = _mm256_sub_ps(w, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16))),
+                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pick(blk + P::MN_AT + 16 * b)))));
+      total = _mm256_add_ps(total, _mm256_mul_ps(_mm256_set1_ps(v), w));
+#else
+      for (int r = 0; r < 8; ++r) {
+        int u = (vb[P::low_byte(t, r, j)] >> P::low_shift(t)) & 15;
+        if constexpr (P::VB > 4) u |= ((vb[P::high_byte(t, r, j)] >> P::high_shift(t)) & P::HIGH_MASK) << 4;
+        const float scale = simd::half(blk + 2 * r) * (float)(int8_t)blk[P::SC_AT + 16 * b + 2 * r + h];
+        float w = scale * (float)(u - OFFSET);
+        if constexpr (P::MIN) w = w - simd::half(blk + 16 + 2 * r) * (float)blk[P::MN_AT + 16 * b + 2 * r + h];
+        sum[r] = sum[r] + v * w;
+      }
+#endif
+    }
+#if defined(__AVX2__)
+    _mm256_store_ps(sum, total);
+#endif
+    for (int64_t r = 0; r < valid; ++r) y[i * ldy + n + r] += sum[r];
+  }
+}
+
+// Tiles whose job j computes outputs j `width` .. (j + 1) `width` - 1 for every row of x, with
+// x's outliers added after each job (add_outliers).
+template <class W>
+Tiles with_outliers(Tiles tiles, int64_t width, const uint8_t* packed, const XK& x, int64_t M, float* y, int64_t N,
+                    int64_t ldy) {
+  if (!x.any_outliers) return tiles;
+  const int64_t stride = x.supers * KLayout<W>::BYTES;
+  return {[=, &x, run = std::move(tiles.run)](int64_t job) {
+            run(job);
+            for (int64_t n = job * width; n < std::min<int64_t>((job + 1) * width, N); n += 8)
+              add_outliers<W>(packed + n / 8 * stride, x, M, n, std::min<int64_t>(8, N - n), y, ldy);
+          },
+          tiles.count};
 }
 
 // ---------------------------------------------------------------------------------------------
