@@ -40,11 +40,11 @@ Tiles linear_part(const W& w, const uint8_t* packed, const float* x, const XU* x
     if (packed != nullptr && xk != nullptr && xk->supers == w.K / 256) {
 #if defined(PARROT_AMX)
       if (!xk->amx_tiles.empty()) {  // linear() decided: the formats that run on AMX do
-        if constexpr (AMX_FOLDS<W>) return with_outliers<W>(linear_amx(w, packed, *xk, M, y, N, ldy), AMX_ROWS, packed, *xk, M, y, N, ldy);
-        if constexpr (AMX_DIGITS<W>) return with_outliers<W>(linear_amx6(w, packed, *xk, M, y, N, ldy), AMX_ROWS, packed, *xk, M, y, N, ldy);
+        if constexpr (AMX_FOLDS<W>) return linear_amx(w, packed, *xk, M, y, N, ldy);
+        if constexpr (AMX_DIGITS<W>) return linear_amx6(w, packed, *xk, M, y, N, ldy);
       }
 #endif
-      return with_outliers<W>(linear_kpacked(w, packed, *xk, M, y, N, ldy), 8, packed, *xk, M, y, N, ldy);
+      return linear_kpacked(w, packed, *xk, M, y, N, ldy);
     }
   } else if constexpr (W::INTEGER) {
     if (packed != nullptr && xu != nullptr && xu->K == w.K) return linear_packed(w, packed, *xu, M, y, N, ldy);
@@ -94,7 +94,7 @@ constexpr int Q8_FINE = 2;  // linear()'s q8 for x with multipliers per unit of 
 // their packed copy); 0: float32 throughout. Q8_FINE: the K-quant parts' x with a multiplier per
 // unit of 32 as well (XK::fine; the LM head), on packed.h's tiles whatever the number of rows.
 // With q8 = 1 the K-quant parts' rows are rounded without their outliers, which are added in
-// float32 after each job's tiles (XK split, add_outliers).
+// float32 as the tiles store y (XK split, outlier_sums).
 void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int q8) {
   int64_t ldy = 0;
 #if defined(PARROT_AMX)
