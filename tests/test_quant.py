@@ -224,6 +224,8 @@ def test_wide_k_quant_kernels_equal_the_avx2_steps(isa, kind, fine):
     for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40, 48, 49, 81):
         units = torch.rand(rows, 5 * 8, 1, generator=generator).pow(2)
         x = (torch.randn(rows, 5 * 8, 32, generator=generator) * 3 * units).reshape(rows, 5 * 256)
+        x[::3, 100] = 80.0  # outliers (taken out of plain rounding and added in float32)
+        x[1::4, 700:720] = -90.0
         wide = kernels(isa).linear(x, BlockWeight(kind, blocks.data.clone()), q8=True, fine=fine)
         if isa == "avx2":
             narrow = torch.cat([kernels("avx2").linear(x[i : i + 1], BlockWeight(kind, blocks.data.clone()), q8=True, fine=fine)
@@ -309,8 +311,45 @@ def test_fine_rounding_keeps_small_units_beside_a_large_value(isa, kind):
     w = BlockWeight(kind, blocks.data[usable].contiguous())
     weight = reference[usable].double()
     x = torch.randn(6, 4 * 256, generator=torch.Generator().manual_seed(9))
-    x[:, ::256] = 40.0  # one large channel per super-block
+    # Four large channels at the start of each super-block: 16 in a row of 1,024, too many to be
+    # the row's outliers (over 8 times its root mean square), which plain rounding takes out.
+    x[:, torch.arange(4 * 256) % 256 < 4] = 40.0
     exact = x.double() @ weight.T
     plain = (kernels(isa).linear(x, w, q8=True).double() - exact).pow(2).mean()
     fine = (kernels(isa).linear(x, w, q8=True, fine=True).double() - exact).pow(2).mean()
     assert fine < 0.2 * plain
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+def test_q8_rounding_takes_a_rows_outliers_out(isa, kind):
+    # A value over 8 times its row's root mean square (at most the 16 largest of a row) would set
+    # the rounding step of its whole super-block: the K-quant layers' rows are rounded without
+    # them (per super-block of 256, as _quantized_rows) and each is added back times its weights
+    # in float32. Row 0 has 3, row 1 none, row 2 20 (the 16 largest are taken, the other 4 are
+    # rounded with their super-blocks), and 49 rows run a prompt chunk's tiles (AMX where it is).
+    blocks, reference = _random_blocks(kind, 40, 8 * 256, seed=11)
+    usable = reference.isfinite().all(dim=1)
+    w = BlockWeight(kind, blocks.data[usable].contiguous())
+    weight = reference[usable].double()
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(49, 8 * 256, generator=generator)
+    x[0, [5, 300, 1901]] = torch.tensor([60.0, -45.0, 70.0])
+    x[2, 40:60] = torch.arange(20) + 100.0  # all over the bound (about 79)
+    x[3:, 17] = 50.0
+    taken = torch.zeros_like(x, dtype=torch.bool)
+    taken[0, [5, 300, 1901]] = True
+    taken[2, 44:60] = True  # the 16 largest of row 2's 20
+    taken[3:, 17] = True
+    for rows in (1, 3, 49):
+        y = kernels(isa).linear(x[:rows], w, q8=True).double()
+        rest = torch.where(taken[:rows], 0.0, x[:rows])
+        rounded = _quantized_rows(rest, 256).double()
+        outliers = torch.where(taken[:rows], x[:rows], 0.0).double()
+        expected = rounded @ weight.T + outliers @ weight.T
+        bound = 1e-5 * ((rounded.abs() + outliers.abs()) @ weight.abs().T)
+        assert ((y - expected).abs() <= bound).all()
+        # and not as plain rounding would have it, with the outliers in their super-blocks
+        assert not ((y - _quantized_rows(x[:rows], 256).double() @ weight.T).abs() <= bound).all()
+    # Rows do not depend on the rest of the batch.
+    assert torch.equal(kernels(isa).linear(x[2:3], w, q8=True), kernels(isa).linear(x, w, q8=True)[2:3])

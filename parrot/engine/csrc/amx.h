@@ -211,9 +211,22 @@ inline uint8_t* job_buffer(int64_t bytes) {
 
 // Row i of x's outputs, weight rows n0 .. n0 + 15 (`lanes` of them), from acc [weight row][row of
 // x] (AMX_ROWS x AMX_ROWS): a column of acc, gathered.
-inline void store_column(const float (*acc)[AMX_ROWS], int64_t i, float* y, __mmask16 lanes) {
+// With `out` (outlier_sums of the job's two groups), a row with outliers gets its 16 sums added.
+inline void store_column(const float (*acc)[AMX_ROWS], int64_t i, float* y, __mmask16 lanes, const float* out,
+                         int32_t slot) {
   const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(AMX_ROWS));
-  _mm512_mask_storeu_ps(y, lanes, _mm512_i32gather_ps(column, &acc[0][i], 4));
+  __m512 v = _mm512_i32gather_ps(column, &acc[0][i], 4);
+  if (out != nullptr && slot >= 0) v = _mm512_add_ps(v, _mm512_loadu_ps(out + slot * AMX_ROWS));
+  _mm512_mask_storeu_ps(y, lanes, v);
+}
+
+// A job's outlier sums (XK split; nullptr without outliers): its weight rows n0 .. n0 + 15, one or
+// two groups of 8 of the packed copy.
+template <class W>
+const float* job_outliers(const uint8_t* packed, const XK& x, int64_t n0, int64_t N) {
+  if (!x.any_outliers) return nullptr;
+  const int64_t stride = x.supers * KLayout<W>::BYTES;
+  return outlier_sums<W>(packed + n0 / 8 * stride, stride, n0 + 8 < N ? 2 : 1, AMX_ROWS, x);
 }
 
 template <class W>
@@ -227,6 +240,7 @@ Tiles linear_amx(const W& w, const uint8_t* packed, const XK& x, int64_t M, floa
             const int64_t n0 = job * AMX_ROWS;
             uint8_t* wa = job_buffer(supers * SB_BYTES);
             weight_tiles<W>(packed, supers, groups8, n0 / 8, wa);
+            const float* out = job_outliers<W>(packed, *xk, n0, N);  // while the weights are in cache
             configure_tiles();
             const int64_t rows_n = std::min<int64_t>(AMX_ROWS, N - n0);
             // [super-block parity][x tile of the pair][high, low][weight row][row of x]
@@ -298,7 +312,7 @@ Tiles linear_amx(const W& w, const uint8_t* packed, const XK& x, int64_t M, floa
               for (int64_t h = 0; h < pair; ++h) {
                 const int64_t m0 = (first + h) * AMX_ROWS, rows = std::min<int64_t>(AMX_ROWS, M - m0);
                 for (int64_t i = 0; i < rows; ++i)
-                  store_column(acc[h], i, y + (m0 + i) * ldy + n0, lanes);
+                  store_column(acc[h], i, y + (m0 + i) * ldy + n0, lanes, out, out ? xk->slot_of[m0 + i] : -1);
               }
             }
             _tile_release();
@@ -384,6 +398,7 @@ Tiles linear_amx6(const W& w, const uint8_t* packed, const XK& x, int64_t M, flo
             const int64_t n0 = job * AMX_ROWS;
             uint8_t* wa = job_buffer(supers * SB6_BYTES);
             weight_tiles6<W>(packed, supers, groups8, n0 / 8, wa);
+            const float* out = job_outliers<W>(packed, *xk, n0, N);  // while the weights are in cache
             configure_tiles();
             const int64_t rows_n = std::min<int64_t>(AMX_ROWS, N - n0);
             alignas(64) int32_t sums[2][3][AMX_ROWS][AMX_ROWS];  // [super-block parity][digit][weight row][row of x]
@@ -428,7 +443,7 @@ Tiles linear_amx6(const W& w, const uint8_t* packed, const XK& x, int64_t M, flo
                 }
               }
               for (int64_t i = 0; i < rows; ++i)
-                store_column(acc, i, y + (m0 + i) * ldy + n0, lanes);
+                store_column(acc, i, y + (m0 + i) * ldy + n0, lanes, out, out ? xk->slot_of[m0 + i] : -1);
             }
             _tile_release();
           },

@@ -93,6 +93,8 @@ constexpr int Q8_FINE = 2;  // linear()'s q8 for x with multipliers per unit of 
 // for the parts that have the 8-bit path (the K-quant formats, and the 32-weight formats given
 // their packed copy); 0: float32 throughout. Q8_FINE: the K-quant parts' x with a multiplier per
 // unit of 32 as well (XK::fine; the LM head), on packed.h's tiles whatever the number of rows.
+// With q8 = 1 the K-quant parts' rows are rounded without their outliers, which are added in
+// float32 as the tiles store y (XK split, outlier_sums).
 void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int q8) {
   int64_t ldy = 0;
 #if defined(PARROT_AMX)
@@ -121,7 +123,7 @@ void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int 
     });
   }
   const std::unique_ptr<XU> xu(q8 && any_packed ? new XU(x, M, w->K) : nullptr);
-  const std::unique_ptr<XK> xk(q8 && any_super && w->K % 256 == 0 ? new XK(x, M, w->K, threads, forms, q8 == Q8_FINE) : nullptr);
+  const std::unique_ptr<XK> xk(q8 && any_super && w->K % 256 == 0 ? new XK(x, M, w->K, threads, forms, q8 == Q8_FINE, q8 == 1) : nullptr);
 #if defined(PARROT_AMX)
   if (xk && any_amx) amx_layout(*xk, M, threads);
 #endif

@@ -8,6 +8,7 @@
 #include "tiles.h"
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -132,11 +133,15 @@ inline void fetch_ahead(const uint8_t* blk, int64_t bytes, bool far) {
 }
 
 // A group's outputs for MT rows of x: the first `valid` lanes of each accumulator, ldy apart.
+// With `out` (outlier_sums), each row with outliers (slots[i], its slot) gets its 8 sums added.
 template <int MT>
-inline void store_group(const bytes::G* acc, float* y, int64_t ldy, int64_t valid) {
+inline void store_group(const bytes::G* acc, float* y, int64_t ldy, int64_t valid, const float* out = nullptr,
+                        const int32_t* slots = nullptr) {
   for (int i = 0; i < MT; ++i) {
     float lanes[8];
     bytes::gstore(lanes, acc[i]);
+    if (out != nullptr && slots[i] >= 0)
+      for (int r = 0; r < 8; ++r) lanes[r] = lanes[r] + out[slots[i] * 8 + r];
     std::memcpy(y + i * ldy, lanes, valid * sizeof(float));
   }
 }
@@ -247,6 +252,15 @@ Tiles linear_packed(const W& w, const uint8_t* packed, const XU& x, int64_t M, f
 //
 // `fine` (the LM head's rows): each unit of 32 with its own multiplier f, 1 .. 8 (quantize256_fine;
 // 8 per row and super-block); the sums are of q f.
+//
+// `split` (the rows of every K-quant layer but the LM head): a row's outliers, its values over
+// SPLIT_BETA times its root mean square (the SPLIT_MAX largest of them at most), are taken out
+// before it is rounded and added back in float32 (outlier_sums). One such value sets the step of
+// its whole super-block, and Qwen2.5's ffn_down inputs have about 10 per row: rounded with them,
+// the 8-bit path's next-token distributions diverged from float32's about twice as much (KL
+// 0.001508 against 0.000785 over docs/PERFORMANCE.md's "Perplexity" text).
+constexpr float SPLIT_BETA = 8.0f;
+constexpr int SPLIT_MAX = 16;
 struct XK {
   // Which forms of q to keep: q (the AMX tiles), arranged by 16 (Q6_K), arranged by 32 (Q4_K, Q5_K).
   enum Forms : int { PLAIN = 1, BY16 = 2, BY32 = 4 };
@@ -255,15 +269,44 @@ struct XK {
   std::unique_ptr<int8_t[]> q, q16, q32;
   std::vector<int16_t> sums, sums32, f;
   std::vector<float> d;
-  XK(const float* x, int64_t M, int64_t K, int threads, int forms, bool fine_ = false)
+  // split: row i's outliers are out_c / out_v [i SPLIT_MAX, i SPLIT_MAX + outliers[i]), by channel.
+  std::vector<int32_t> outliers, out_c;
+  std::vector<float> out_v;
+  bool any_outliers = false;
+  // The same outliers by channel, for outlier_sums (which de-quantises each channel's weights once
+  // per group of 8 weight rows): channel channels[u] is row slot_row[pick_slot[p]]'s outlier
+  // pick_v[p] for p in [channel_at[u], channel_at[u + 1]), the rows in order.
+  std::vector<int32_t> channels, channel_at, pick_slot, slot_row;
+  std::vector<float> pick_v;
+  std::vector<int32_t> slot_of;  // row i's slot, -1 for a row without outliers
+  XK(const float* x, int64_t M, int64_t K, int threads, int forms, bool fine_ = false, bool split = false)
       : supers(K / 256), fine(fine_), q(bytes_if(forms & PLAIN, M * K)), q16(bytes_if(forms & BY16, M * K)),
         q32(bytes_if(forms & BY32, M * K)), sums(M * supers * 16), sums32(M * supers * 8),
         f(fine_ ? M * supers * 8 : 0), d(M * supers) {
+    if (split) {
+      outliers.assign(M, 0);
+      out_c.resize(M * SPLIT_MAX);
+      out_v.resize(M * SPLIT_MAX);
+      pool(threads).parallel_for(M, [&](int64_t i) { find_outliers(x + i * K, K, i); });
+      for (int64_t i = 0; i < M; ++i) any_outliers |= outliers[i] > 0;
+      if (any_outliers) by_channel(M);
+    }
     pool(threads).parallel_for(M * supers, [&](int64_t at) {
       alignas(64) int8_t own[256];
       int8_t* qa = q ? &q[at * 256] : own;
-      d[at] = fine ? bytes::quantize256_fine(x + at * 256, qa, &sums[at * 16], &f[at * 8])
-                   : bytes::quantize256(x + at * 256, qa, &sums[at * 16]);
+      const float* xs = x + at * 256;
+      alignas(64) float rest[256];  // the super-block without the row's outliers
+      if (any_outliers) {
+        const int64_t i = at / supers, first = at % supers * 256;
+        for (int o = 0; o < outliers[i]; ++o) {
+          const int64_t c = out_c[i * SPLIT_MAX + o];
+          if (c < first || c >= first + 256) continue;
+          if (xs != rest) { std::memcpy(rest, xs, sizeof rest); xs = rest; }
+          rest[c - first] = 0.0f;
+        }
+      }
+      d[at] = fine ? bytes::quantize256_fine(xs, qa, &sums[at * 16], &f[at * 8])
+                   : bytes::quantize256(xs, qa, &sums[at * 16]);
       for (int g = 0; g < 8; ++g) sums32[at * 8 + g] = (int16_t)(sums[at * 16 + 2 * g] + sums[at * 16 + 2 * g + 1]);
       if (q16) arrange(qa, 16, &q16[at * 256]);
       if (q32) arrange(qa, 32, &q32[at * 256]);
@@ -278,6 +321,71 @@ struct XK {
   std::vector<int32_t> amx_pairs;
 
  private:
+  // Row i's outliers (x its K values): those with x^2 over SPLIT_BETA^2 times the mean square,
+  // the largest SPLIT_MAX (the lower channel first between equals), kept in channel order.
+  // The squares are summed in 16 lanes (k % 16), then the lanes in order: the same sum on every
+  // kernel set, in vector instructions (one chain of 8,960 additions took longer than the rest).
+  void find_outliers(const float* x, int64_t K, int64_t i) {
+    float lanes[16] = {};
+    for (int64_t k = 0; k < K; k += 16)
+      for (int l = 0; l < 16; ++l) lanes[l] += x[k + l] * x[k + l];
+    float squares = 0.0f;
+    for (int l = 0; l < 16; ++l) squares += lanes[l];
+    const float bound = SPLIT_BETA * SPLIT_BETA * (squares / (float)K);
+    std::vector<std::pair<float, int32_t>> over;  // (-|x|, channel)
+    for (int64_t k = 0; k < K; k += 16) {
+      // 16 at a time, where none is over (most rows of most layers)
+#if defined(__AVX2__)
+      const __m256 lo = _mm256_loadu_ps(x + k), hi = _mm256_loadu_ps(x + k + 8), b = _mm256_set1_ps(bound);
+      const bool any = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(_mm256_mul_ps(lo, lo), b, _CMP_GT_OQ),
+                                                       _mm256_cmp_ps(_mm256_mul_ps(hi, hi), b, _CMP_GT_OQ))) != 0;
+#else
+      bool any = false;
+      for (int l = 0; l < 16; ++l) any |= x[k + l] * x[k + l] > bound;
+#endif
+      if (any)
+        for (int l = 0; l < 16; ++l)
+          if (x[k + l] * x[k + l] > bound) over.emplace_back(-std::fabs(x[k + l]), (int32_t)(k + l));
+    }
+    if ((int)over.size() > SPLIT_MAX) {
+      std::partial_sort(over.begin(), over.begin() + SPLIT_MAX, over.end());
+      over.resize(SPLIT_MAX);
+    }
+    std::sort(over.begin(), over.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+    outliers[i] = (int32_t)over.size();
+    for (size_t o = 0; o < over.size(); ++o) {
+      out_c[i * SPLIT_MAX + o] = over[o].second;
+      out_v[i * SPLIT_MAX + o] = x[over[o].second];
+    }
+  }
+  void by_channel(int64_t M) {
+    std::vector<std::pair<int32_t, int32_t>> picks;  // (channel, slot), the slots in row order
+    slot_of.assign(M, -1);
+    for (int64_t i = 0; i < M; ++i) {
+      if (outliers[i] == 0) continue;
+      slot_of[i] = (int32_t)slot_row.size();
+      for (int o = 0; o < outliers[i]; ++o) picks.emplace_back(out_c[i * SPLIT_MAX + o], (int32_t)slot_row.size());
+      slot_row.push_back((int32_t)i);
+    }
+    std::vector<float> value(picks.size());
+    {
+      size_t p = 0;
+      for (int32_t i : slot_row)
+        for (int o = 0; o < outliers[i]; ++o) value[p++] = out_v[i * SPLIT_MAX + o];
+    }
+    std::vector<int32_t> order(picks.size());
+    for (size_t p = 0; p < order.size(); ++p) order[p] = (int32_t)p;
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return picks[a] < picks[b]; });
+    for (int32_t p : order) {
+      if (channels.empty() || channels.back() != picks[p].first) {
+        channels.push_back(picks[p].first);
+        channel_at.push_back((int32_t)pick_slot.size());
+      }
+      pick_slot.push_back(picks[p].second);
+      pick_v.push_back(value[p]);
+    }
+    channel_at.push_back((int32_t)pick_slot.size());
+  }
   static std::unique_ptr<int8_t[]> bytes_if(bool keep, int64_t n) { return keep ? std::unique_ptr<int8_t[]>(new int8_t[n]) : nullptr; }
   static void arrange(const int8_t* in, int G, int8_t* out) {
     for (int b = 0; b < 256 / (2 * G); ++b)
@@ -320,6 +428,12 @@ struct KLayout {
   static int64_t high_byte(int t, int64_t r, int j) { return LOW + 32 * (VB == 5 ? t / 8 : t / 4) + 4 * r + j; }
   static int high_shift(int t) { return VB == 5 ? t % 8 : 2 * (t % 4); }
   static constexpr int HIGH_MASK = VB == 5 ? 1 : 3;
+  // Step t's value j of row r (0 .. 2^VB - 1), from a block's bytes v.
+  static int value(const uint8_t* v, int t, int64_t r, int j) {
+    int u = (v[low_byte(t, r, j)] >> low_shift(t)) & 15;
+    if constexpr (VB > 4) u |= ((v[high_byte(t, r, j)] >> high_shift(t)) & HIGH_MASK) << 4;
+    return u;
+  }
 };
 
 // Value k (0..255) of super-block `sb` of row n and its group's scale (and min).
@@ -417,6 +531,99 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* c
 }
 #endif
 
+// Channel c's weights in group g (8 weight rows; `group` its packed super-blocks), de-quantised
+// as the file's blocks are: 8 weight rows per vector where there is AVX2, one at a time elsewhere,
+// the same float operations either way (the library is built without contracting them to fused
+// multiply-adds).
+template <class W>
+void kcolumn(const uint8_t* group, int64_t c, float w[8]) {
+  using P = KLayout<W>;
+  constexpr int OFFSET = W::SHIFT > 0 ? 1 << W::SHIFT : 0;
+  const uint8_t* blk = group + (c / 256) * P::BYTES;
+  // The channel's place in the layout (KLayout::value_at inverted): block b, step t, byte j of
+  // each row's 4, in the first (h = 0) or second group of the block.
+  const int k = c % 256, in_group = k % P::G, h = k / P::G % 2, b = k / (2 * P::G), t = in_group / 2, j = 2 * h + in_group % 2;
+  const uint8_t* vb = blk + P::BLK_AT + b * P::BLOCK;
+#if defined(__AVX2__)
+  // Byte 2 r + h of 16 (a row's scale or min of this group), r = 0 .. 7, in the low 8 bytes.
+  const __m128i order = _mm_add_epi8(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1),
+                                     _mm_setr_epi8(h, h, h, h, h, h, h, h, 0, 0, 0, 0, 0, 0, 0, 0));
+  const auto pick = [&](const uint8_t* at) { return _mm_shuffle_epi8(_mm_loadu_si128((const __m128i*)at), order); };
+  // Byte j of each row's 4 (32 bytes at `at`), shifted right by `shift`, as 8 int32.
+  const auto lanes = [j](const uint8_t* at, int shift) {
+    return _mm256_srl_epi32(_mm256_loadu_si256((const __m256i*)at), _mm_cvtsi32_si128(8 * j + shift));
+  };
+  __m256i u = _mm256_and_si256(lanes(vb + P::low_byte(t, 0, 0), P::low_shift(t)), _mm256_set1_epi32(15));
+  if constexpr (P::VB > 4)
+    u = _mm256_or_si256(u, _mm256_slli_epi32(_mm256_and_si256(lanes(vb + P::high_byte(t, 0, 0), P::high_shift(t)),
+                                                               _mm256_set1_epi32(P::HIGH_MASK)), 4));
+  const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk)),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(pick(blk + P::SC_AT + 16 * b))));
+  __m256 v = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(OFFSET))));
+  if constexpr (P::MIN)
+    v = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16))),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pick(blk + P::MN_AT + 16 * b)))));
+  _mm256_storeu_ps(w, v);
+#else
+  for (int r = 0; r < 8; ++r) {
+    const float scale = simd::half(blk + 2 * r) * (float)(int8_t)blk[P::SC_AT + 16 * b + 2 * r + h];
+    w[r] = scale * (float)(P::value(vb, t, r, j) - OFFSET);
+    if constexpr (P::MIN) w[r] = w[r] - simd::half(blk + 16 + 2 * r) * (float)blk[P::MN_AT + 16 * b + 2 * r + h];
+  }
+#endif
+}
+
+// The outlier sums (XK split) of `groups` groups of 8 weight rows (the first at `group`, the next
+// `stride` bytes on): for each row with outliers, the sum over its outliers in channel order of
+// the outlier times its channel's de-quantised weight (kcolumn), in float32, for output 8 j + r
+// of group j at [width slot + 8 j + r] (XK::slot_of; 0 past the groups). The tiles' stores add them. The
+// channels are taken in order, each de-quantised once for all the rows it is an outlier of, so
+// every kernel set does the same float operations in the same order. The sums are this thread's
+// (outlier_buffer) until its next call.
+inline std::vector<float>& outlier_buffer() {
+  thread_local std::vector<float> sums;
+  return sums;
+}
+template <class W>
+const float* outlier_sums(const uint8_t* group, int64_t stride, int groups, int width, const XK& x) {
+  std::vector<float>& sums = outlier_buffer();
+  sums.assign(x.slot_row.size() * width, 0.0f);
+#if defined(__AVX512F__)
+  if (width == 16) {  // the AMX jobs' two groups in one vector (the same products and sums per lane)
+    for (size_t u = 0; u + 1 < x.channel_at.size(); ++u) {
+      alignas(64) float w[16] = {};
+      for (int j = 0; j < groups; ++j) kcolumn<W>(group + j * stride, x.channels[u], w + 8 * j);
+      const __m512 wv = _mm512_load_ps(w);
+      for (int32_t p = x.channel_at[u]; p < x.channel_at[u + 1]; ++p) {
+        float* sum = sums.data() + x.pick_slot[p] * 16;
+        _mm512_storeu_ps(sum, _mm512_add_ps(_mm512_loadu_ps(sum), _mm512_mul_ps(_mm512_set1_ps(x.pick_v[p]), wv)));
+      }
+    }
+    return sums.data();
+  }
+#endif
+  for (size_t u = 0; u + 1 < x.channel_at.size(); ++u)
+    for (int j = 0; j < groups; ++j) {
+      alignas(32) float w[8];
+      kcolumn<W>(group + j * stride, x.channels[u], w);
+      float* at = sums.data() + 8 * j;
+#if defined(__AVX2__)
+      const __m256 wv = _mm256_load_ps(w);
+      for (int32_t p = x.channel_at[u]; p < x.channel_at[u + 1]; ++p) {
+        float* sum = at + x.pick_slot[p] * width;
+        _mm256_storeu_ps(sum, _mm256_add_ps(_mm256_loadu_ps(sum), _mm256_mul_ps(_mm256_set1_ps(x.pick_v[p]), wv)));
+      }
+#else
+      for (int32_t p = x.channel_at[u]; p < x.channel_at[u + 1]; ++p) {
+        float* sum = at + x.pick_slot[p] * width;
+        const float v = x.pick_v[p];
+        for (int r = 0; r < 8; ++r) sum[r] = sum[r] + v * w[r];
+      }
+#endif
+    }
+  return sums.data();
+}
+
 // MT rows of x (from `row`) against one group of 8 weight rows, a super-block at a time; `far`
 // as group_tiles passes it. FINE: x with a multiplier per unit of 32 (XK::fine), which multiplies
 // each group's weight scale (both at most 8 bits: the 16-bit product is exact) before its sums
@@ -488,7 +695,10 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
       }
     }
   }
-  store_group<MT>(acc, y + row * ldy + n, ldy, valid);
+  // The group's outlier sums, made by its first tile of rows (a job runs its tiles in order, on one
+  // thread), which has just brought the group's weights in.
+  const float* out = !x.any_outliers ? nullptr : row == 0 ? outlier_sums<W>(group, 0, 1, 8, x) : outlier_buffer().data();
+  store_group<MT>(acc, y + row * ldy + n, ldy, valid, out, out != nullptr ? &x.slot_of[row] : nullptr);
 }
 
 template <class W>
@@ -541,11 +751,7 @@ void kunpack_row(const uint8_t* packed, int64_t K, int64_t n, uint8_t* out) {
       }
       const uint8_t* v = o + P::BLK_AT + b * P::BLOCK;
       for (int t = 0; t < P::S; ++t)
-        for (int j = 0; j < 4; ++j) {
-          int value = (v[P::low_byte(t, r, j)] >> P::low_shift(t)) & 15;
-          if constexpr (P::VB > 4) value |= ((v[P::high_byte(t, r, j)] >> P::high_shift(t)) & P::HIGH_MASK) << 4;
-          values[P::value_at(b, t, j)] = (uint8_t)value;
-        }
+        for (int j = 0; j < 4; ++j) values[P::value_at(b, t, j)] = (uint8_t)P::value(v, t, r, j);
     }
     uint8_t* blk = out + sb * W::BYTES;
     std::memset(blk, 0, W::BYTES);
