@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -139,9 +140,7 @@ inline void store_group(const bytes::G* acc, float* y, int64_t ldy, int64_t vali
                         const int32_t* slots = nullptr) {
   for (int i = 0; i < MT; ++i) {
     float lanes[8];
-    bytes::gstore(lanes, acc[i]);
-    if (out != nullptr && slots[i] >= 0)
-      for (int r = 0; r < 8; ++r) lanes[r] = lanes[r] + out[slots[i] * 8 + r];
+    bytes::gstore(lanes, out != nullptr && slots[i] >= 0 ? bytes::gadd(acc[i], bytes::gload(out + slots[i] * 8)) : acc[i]);
     std::memcpy(y + i * ldy, lanes, valid * sizeof(float));
   }
 }
@@ -359,30 +358,23 @@ struct XK {
     }
   }
   void by_channel(int64_t M) {
-    std::vector<std::pair<int32_t, int32_t>> picks;  // (channel, slot), the slots in row order
+    std::vector<std::tuple<int32_t, int32_t, float>> picks;  // (channel, slot, value)
     slot_of.assign(M, -1);
     for (int64_t i = 0; i < M; ++i) {
       if (outliers[i] == 0) continue;
       slot_of[i] = (int32_t)slot_row.size();
-      for (int o = 0; o < outliers[i]; ++o) picks.emplace_back(out_c[i * SPLIT_MAX + o], (int32_t)slot_row.size());
+      for (int o = 0; o < outliers[i]; ++o)
+        picks.emplace_back(out_c[i * SPLIT_MAX + o], (int32_t)slot_row.size(), out_v[i * SPLIT_MAX + o]);
       slot_row.push_back((int32_t)i);
     }
-    std::vector<float> value(picks.size());
-    {
-      size_t p = 0;
-      for (int32_t i : slot_row)
-        for (int o = 0; o < outliers[i]; ++o) value[p++] = out_v[i * SPLIT_MAX + o];
-    }
-    std::vector<int32_t> order(picks.size());
-    for (size_t p = 0; p < order.size(); ++p) order[p] = (int32_t)p;
-    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return picks[a] < picks[b]; });
-    for (int32_t p : order) {
-      if (channels.empty() || channels.back() != picks[p].first) {
-        channels.push_back(picks[p].first);
+    std::sort(picks.begin(), picks.end());  // by channel, then slot (a row has a channel once)
+    for (const auto& [c, slot, v] : picks) {
+      if (channels.empty() || channels.back() != c) {
+        channels.push_back(c);
         channel_at.push_back((int32_t)pick_slot.size());
       }
-      pick_slot.push_back(picks[p].second);
-      pick_v.push_back(value[p]);
+      pick_slot.push_back(slot);
+      pick_v.push_back(v);
     }
     channel_at.push_back((int32_t)pick_slot.size());
   }
@@ -606,20 +598,11 @@ const float* outlier_sums(const uint8_t* group, int64_t stride, int groups, int 
     for (int j = 0; j < groups; ++j) {
       alignas(32) float w[8];
       kcolumn<W>(group + j * stride, x.channels[u], w);
-      float* at = sums.data() + 8 * j;
-#if defined(__AVX2__)
-      const __m256 wv = _mm256_load_ps(w);
+      const bytes::G wv = bytes::gload(w);
       for (int32_t p = x.channel_at[u]; p < x.channel_at[u + 1]; ++p) {
-        float* sum = at + x.pick_slot[p] * width;
-        _mm256_storeu_ps(sum, _mm256_add_ps(_mm256_loadu_ps(sum), _mm256_mul_ps(_mm256_set1_ps(x.pick_v[p]), wv)));
+        float* sum = sums.data() + x.pick_slot[p] * width + 8 * j;
+        bytes::gstore(sum, bytes::gadd(bytes::gload(sum), bytes::gmul(bytes::gset1(x.pick_v[p]), wv)));
       }
-#else
-      for (int32_t p = x.channel_at[u]; p < x.channel_at[u + 1]; ++p) {
-        float* sum = at + x.pick_slot[p] * width;
-        const float v = x.pick_v[p];
-        for (int r = 0; r < 8; ++r) sum[r] = sum[r] + v * w[r];
-      }
-#endif
     }
   return sums.data();
 }

@@ -320,6 +320,7 @@ inline G gset1(float a) { return {_mm256_set1_ps(a)}; }
 inline G gload(const float* p) { return {_mm256_loadu_ps(p)}; }
 inline G gzero() { return {_mm256_setzero_ps()}; }
 inline G gmul(G a, G b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline G gadd(G a, G b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline G gfmadd(G a, G b, G c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline float ghsum(G a) {  // the AVX2 build's hsum order
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
@@ -484,6 +485,7 @@ inline G gset1(float a) { return {vg{} + a}; }
 inline G gload(const float* p) { G a; std::memcpy(&a.v, p, 32); return a; }
 inline G gzero() { return {vg{}}; }
 inline G gmul(G a, G b) { return {a.v * b.v}; }
+inline G gadd(G a, G b) { return {a.v + b.v}; }
 inline G gfmadd(G a, G b, G c) { return {a.v * b.v + c.v}; }
 inline float ghsum(G a) {
   const float lo = (a.v[0] + a.v[4]) + (a.v[2] + a.v[6]);
