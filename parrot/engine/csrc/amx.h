@@ -20,20 +20,25 @@
 // signed scales take another split (three digits; see linear_amx6 below).
 //
 // Work: one job per 16 weight rows (two of packed.h's groups of 8). Its weights are expanded once
-// from the packed copy into the a q and b q bytes (A tiles) with the rows' d, dmin and mins laid
-// out for broadcasts, then every row of x passes through them, two tiles of 16 rows at a time (8
-// tile registers: 4 sums, 2 weights, 2 x); x is laid out once per layer as B tiles (16 rows of
-// 16 x 4 bytes: VNNI order), with its group sums (amx_layout, on all threads).
+// from the packed copy into the a q and b q bytes (A tiles; fold_values4, fold_values6) with
+// the rows' d, dmin and mins laid out for broadcasts, then every row of x passes through them,
+// two tiles of 16 rows at a time (8 tile registers: 4 sums, 2 weights, 2 x); x is laid out once
+// per layer as B tiles (16 rows of 16 x 4 bytes: VNNI order), with its group sums (amx_layout, on
+// all threads).
 //
 // Where the time went (perf, a 512-token chunk of Qwen2.5-Coder-1.5B, Intel Xeon): the first
 // version spent 35% of its Q4_K time scaling each super-block's sums (the epilogue) with scalar
 // float16 conversions and mins rebuilt per row, 10% expanding weights with 2-byte copies, and
 // quantised x on one thread. Now: d, dmin and the mins are floats and int32 pairs made with the
-// weights, the mins' term is 4 `vpdpwssd`, the expansion gathers word pairs, and super-block
+// weights, the mins' term is 4 `vpdpwssd`, the expansion permutes vectors, and super-block
 // sb + 1's tile instructions are issued before sb's epilogue (two buffers of sums), so the tile
 // unit and the vector units overlap. Chunk 2.65-2.67 -> 2.06-2.18 s; with Q6_K here too (half the
 // down projections of a Q4_K_M file), 1.9 s. What is left is the tile loop itself (16 tile loads
-// and 4 stores per 16 TDPBUSD, at about a fifth of their peak).
+// and 4 stores per 16 TDPBUSD, at about a fifth of their peak). The expansion costs the same
+// whatever the rows, so a short prompt pays it on few rows: a 60-token chunk of Qwen2.5-Coder-1.5B
+// spent about 0.12 s of 0.29 s outside the per-row cost (2026-11-28) until fold_values4 and
+// fold_values6 replaced the gathers and widening multiplies (interleaved runs: Q4_K's
+// 0.28-0.30 -> 0.24-0.26 s, Q6_K's about 5% more).
 
 #pragma once
 
@@ -424,39 +429,103 @@ struct Digits7 {
 };
 constexpr Digits7 DIGITS7{};
 
+// The digits of every signed byte s as one int32 (digit j in byte j): DIGITS7_WORD[s + 128].
+struct Digits7Words {
+  int32_t w[256];
+  constexpr Digits7Words() : w{} {
+    for (int i = 0; i < 256; ++i)
+      w[i] = (int32_t)((uint32_t)(uint8_t)DIGITS7.d[i][0] | (uint32_t)(uint8_t)DIGITS7.d[i][1] << 8 |
+                       (uint32_t)(uint8_t)DIGITS7.d[i][2] << 16);
+  }
+};
+alignas(64) constexpr Digits7Words DIGITS7_WORD{};
+
+// Q6_K's digit tiles straight from a packed super-block (blk) of 8 weight rows, as rows first ..
+// first + 7 of the super-block's A tiles at o (all three digits), digit j of a group's scale
+// times q - 32 (as fold_values4 for Q4_K; the same bytes as the version before it, which
+// unpacked the values with gathers and multiplied each group widened to words, 58-64 -> 17-21 ns
+// per 256 weights on one thread, Intel Xeon): the 4 step vectors of low nibbles
+// transposed to rows by `vpermt2d`, each row's 5th and 6th bits from its dword of the block's two
+// planes (`vpermd`, shifted by step), a row's 32 values gathered by `vpshufb` and `vpermt2d`, and
+// each digit's products in one `vpmullw`: with a word q0 + 256 q1, (q - 32) d + 128 is in 32 ..
+// 224 for both bytes (q <= 63, |d| <= 3), so q0 d + 256 q1 d plus 257 (128 - 32 d) has them as
+// its two bytes, and flipping their top bits leaves (q - 32) d as signed bytes.
+template <class W>
+void fold_values6(const uint8_t* blk, int64_t first, uint8_t* o) {
+  using P = KLayout<W>;
+  static_assert(P::VB == 6 && P::G == 16 && P::NB == 8 && P::S == 8 && P::LOW == 128 && P::BLOCK == 192, "Q6_K's layout");
+  // T: dword 4 r' + u = row (r' + 4 half) of low-nibble vector u (vectors 0, 1 in the first source).
+  alignas(64) static constexpr int32_t T_ROWS[2][16] = {
+      {0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27},
+      {4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31}};
+  // The same row's dword of plane 0 (steps 0 .. 3) and of plane 1 (steps 4 .. 7), by half.
+  alignas(64) static constexpr int32_t PLANE[2][2][16] = {
+      {{0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}, {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11}},
+      {{4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7}, {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}}};
+  alignas(64) static constexpr int32_t SHIFTS[16] = {0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6};
+  alignas(64) static constexpr int8_t PAIRS[16] = {0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15};
+  // Rows 2 q, 2 q + 1 of a T, from its regrouped steps 0 .. 3 (L) and 4 .. 7 (+16: H): each row's
+  // group 2b values (16 bytes), then group 2b + 1's.
+  alignas(64) static constexpr int32_t ROWS2[2][16] = {
+      {0, 2, 16, 18, 1, 3, 17, 19, 4, 6, 20, 22, 5, 7, 21, 23},
+      {8, 10, 24, 26, 9, 11, 25, 27, 12, 14, 28, 30, 13, 15, 29, 31}};
+  const __m512i nibble = _mm512_set1_epi8(15), two_bits = _mm512_set1_epi8(3), top = _mm512_set1_epi8((char)0x80);
+  const __m512i shifts = _mm512_load_si512(SHIFTS), pairs = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)PAIRS));
+  const __m512i bias = _mm512_set1_epi16((short)0x8080), minus_32x257 = _mm512_set1_epi16(-32 * 257);
+  const __m512i low_words = _mm512_set1_epi32(0xFFFF);
+  for (int b = 0; b < P::NB; ++b) {
+    const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
+    const __m512i z0 = _mm512_loadu_si512(v), z1 = _mm512_loadu_si512(v + 64), planes = _mm512_loadu_si512(v + P::LOW);
+    // The digits of the block's 16 scales (row r's two at 2 r, 2 r + 1), digit j as words twice per dword.
+    const __m512i code = _mm512_i32gather_epi32(
+        _mm512_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + P::SC_AT + 16 * b))), _mm512_set1_epi32(128)),
+        DIGITS7_WORD.w, 4);
+    __m512i digits[3];
+    for (int j = 0; j < 3; ++j) {
+      const __m512i dj = _mm512_srai_epi32(_mm512_slli_epi32(code, 24 - 8 * j), 24);
+      digits[j] = _mm512_or_si512(_mm512_and_si512(dj, low_words), _mm512_slli_epi32(dj, 16));
+    }
+    for (int half_ = 0; half_ < 2; ++half_) {
+      const __m512i t = _mm512_permutex2var_epi32(z0, _mm512_load_si512(T_ROWS[half_]), z1);
+      const __m512i h0 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_load_si512(PLANE[half_][0]), planes), shifts), two_bits), 4);
+      const __m512i h1 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_load_si512(PLANE[half_][1]), planes), shifts), two_bits), 4);
+      const __m512i lo = _mm512_shuffle_epi8(_mm512_or_si512(_mm512_and_si512(t, nibble), h0), pairs);
+      const __m512i hi = _mm512_shuffle_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(t, 4), nibble), h1), pairs);
+      for (int q = 0; q < 2; ++q) {
+        const int r0 = 4 * half_ + 2 * q;
+        const __m512i values = _mm512_permutex2var_epi32(lo, _mm512_load_si512(ROWS2[q]), hi);
+        // rows r0, r0 + 1: 8 words of each group's digit, groups 2b, 2b + 1 of r0, then of r0 + 1
+        const __m512i pick = _mm512_set_epi32(2 * r0 + 3, 2 * r0 + 3, 2 * r0 + 3, 2 * r0 + 3, 2 * r0 + 2, 2 * r0 + 2, 2 * r0 + 2, 2 * r0 + 2,
+                                              2 * r0 + 1, 2 * r0 + 1, 2 * r0 + 1, 2 * r0 + 1, 2 * r0, 2 * r0, 2 * r0, 2 * r0);
+        for (int j = 0; j < 3; ++j) {
+          const __m512i d = _mm512_permutexvar_epi32(pick, digits[j]);
+          const __m512i biased = _mm512_add_epi16(_mm512_mullo_epi16(values, d), _mm512_add_epi16(bias, _mm512_mullo_epi16(d, minus_32x257)));
+          const __m512i bytes = _mm512_xor_si512(biased, top);
+          uint8_t* at = o + j * KIND_BYTES + (int64_t)(b / 2) * AMX_ROWS * 64 + 32 * (b % 2);
+          _mm256_storeu_si256((__m256i*)(at + (first + r0) * 64), _mm512_castsi512_si256(bytes));
+          _mm256_storeu_si256((__m256i*)(at + (first + r0 + 1) * 64), _mm512_extracti64x4_epi64(bytes, 1));
+        }
+      }
+    }
+  }
+}
+
 template <class W>
 void weight_tiles6(const uint8_t* packed, int64_t supers, int64_t groups8, int64_t g8, uint8_t* out) {
   using P = KLayout<W>;
-  alignas(64) uint8_t q[AMX_ROWS][256];
   for (int64_t sb = 0; sb < supers; ++sb) {
     uint8_t* o = out + sb * SB6_BYTES;
     float* d = reinterpret_cast<float*>(o + 3 * KIND_BYTES);
-    int8_t digit[3][AMX_ROWS][16] = {};  // [digit][row][group]
     for (int half_ = 0; half_ < 2; ++half_) {
-      if (g8 + half_ >= groups8) {  // rows past N: values 32 (weight 0), digits and d 0
-        std::memset(q[8 * half_], 32, 8 * 256);
+      if (g8 + half_ >= groups8) {  // rows past N: weights and d 0 (their rows of the three digits' 4 tiles)
+        for (int c = 0; c < 12; ++c) std::memset(o + c * AMX_ROWS * 64 + 8 * half_ * 64, 0, 8 * 64);
         for (int r = 0; r < 8; ++r) d[8 * half_ + r] = 0;
         continue;
       }
       const uint8_t* blk = packed + ((g8 + half_) * supers + sb) * P::BYTES;
       for (int r = 0; r < 8; ++r) d[8 * half_ + r] = half(blk + 2 * r);
-      unpack_values<W>(blk, &q[8 * half_]);
-      for (int b = 0; b < P::NB; ++b)
-        for (int r = 0; r < 8; ++r)
-          for (int h = 0; h < 2; ++h) {
-            const int8_t* dg = DIGITS7.d[(int8_t)blk[P::SC_AT + 16 * b + 2 * r + h] + 128];
-            for (int j = 0; j < 3; ++j) digit[j][8 * half_ + r][2 * b + h] = dg[j];
-          }
+      fold_values6<W>(blk, 8 * half_, o);
     }
-    for (int m = 0; m < AMX_ROWS; ++m)
-      for (int g = 0; g < 16; g += 2) {  // groups g, g + 1: values 16 g .. 16 g + 31, in chunk g / 4 at 32 (g / 2 % 2)
-        const __m512i values = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_load_si256((const __m256i*)&q[m][16 * g])), _mm512_set1_epi16(32));
-        const int64_t at = (int64_t)(g / 4) * AMX_ROWS * 64 + m * 64 + 32 * (g / 2 % 2);
-        for (int j = 0; j < 3; ++j) {
-          const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16(digit[j][m][g]), _mm256_set1_epi16(digit[j][m][g + 1]), 1);
-          _mm256_storeu_si256((__m256i*)(o + j * KIND_BYTES + at), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(values, by)));
-        }
-      }
   }
 }
 
