@@ -195,7 +195,7 @@ class Kernels:
 
     @property
     def amx_ready(self) -> bool:
-        """Whether K-quant layers over 48 or more rows run on AMX tiles (the amx set, when the OS
+        """Whether K-quant layers over 32 or more rows run on AMX tiles (the amx set, when the OS
         grants the tile registers; csrc/amx.h)."""
         return bool(self._lib.parrot_amx_ready())
 

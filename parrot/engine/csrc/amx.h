@@ -80,9 +80,12 @@ inline void configure_tiles() {
 constexpr int64_t AMX_ROWS = 16;  // rows of x (and of weights) per tile
 
 // Rows of x from which a layer runs here: a job expands its weights once per call, which fewer
-// rows do not pay back. Qwen2.5-Coder-1.5B's layers (Intel Xeon, amx against avx512 tiles):
-// equal at 32 rows for Q4_K, 1.2x slower for Q6_K; at 64 rows 1.3-1.5x faster; at 16, 2x slower.
-constexpr int64_t AMX_MIN_ROWS = 48;
+// rows do not pay back. With the expansion of fold_values4 and fold_values6, whole prompt chunks
+// of Qwen2.5-Coder-1.5B (Intel Xeon, 2026-11-28, two interleaved rounds; AMX from 16 rows against
+// AMX from 48, i.e. the AVX-512 tiles below it): 16 rows 0.13-0.15 s against 0.12; 24 rows
+// 0.15-0.18 against 0.16-0.19; 32 rows 0.16-0.17 against 0.22-0.23; 40 rows 0.19-0.21 against
+// 0.27-0.30. (Before those, with gathers, AMX paid back from about 48.)
+constexpr int64_t AMX_MIN_ROWS = 32;
 
 // Formats whose values and scales fit the folding below: unsigned values of up to 5 bits,
 // unsigned 6-bit scales and mins (Q4_K, Q5_K). Q6_K's signed scales take AMX_DIGITS (below).
