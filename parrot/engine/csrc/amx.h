@@ -136,38 +136,42 @@ void unpack_values(const uint8_t* blk, uint8_t (*q)[256]) {
   }
 }
 
+// Shared by fold_values4 and fold_values6. STEP_ROWS[half]: dword 4 r' + u = row r' + 4 half of
+// step vector u of 4 (a row's 4 bytes at 32 u + 4 r), from two sources of 64 bytes (vectors 0, 1
+// and 2, 3) as `vpermt2d` takes them. PAIRS: within each 16 bytes of a row's 4 steps (a word of
+// group 2b's values, then one of group 2b + 1's, per step), two steps regrouped as group 2b's two
+// words, then group 2b + 1's.
+alignas(64) constexpr int32_t STEP_ROWS[2][16] = {
+    {0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27},
+    {4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31}};
+alignas(16) constexpr int8_t PAIRS[16] = {0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15};
+
 // Q4_K's folding straight from a packed super-block (blk) of 8 weight rows, written as rows
 // first .. first + 7 of the super-block's A tiles at o (both kinds), the same bytes as
 // unpack_values and weight_tiles' folding loop give: the block's 8 step vectors (a row's 4 bytes
-// in each) transposed to a row's 32 bytes by two rounds of `vpermt2d`, split into nibbles,
-// the row's 64 values gathered in k order by a `vpshufb` and a `vpermt2d` (a word holds values 2 t, 2 t + 1
+// in each) transposed to a row's 32 bytes by two rounds of `vpermt2d`, split into nibbles, the
+// row's 64 values put in k order by a `vpshufb` and a `vpermt2d` (a word holds values 2 t, 2 t + 1
 // of one group), and each group's values times its scale's digits by one `vpmullw` per digit: a
 // word q0 + 256 q1 times a digit d is q0 d + 256 q1 d, both products under 256 (q <= 15, d <= 15),
 // so its two bytes are the two products. The version through unpack_values (gathers, then a
-// widening multiply per group) spent about 29 ns per 256 weights here, so a 60-token prompt of
-// Qwen2.5-Coder-1.5B paid about 60 ms of its 0.3 s for it (2 threads, Intel Xeon).
+// widening multiply per group) spent about 29 ns per 256 weights here, at which rate a 60-token
+// prompt of Qwen2.5-Coder-1.5B paid about 60 ms of its 0.3 s for it (2 threads, Intel Xeon).
 template <class W>
 void fold_values4(const uint8_t* blk, int64_t first, uint8_t* o) {
   using P = KLayout<W>;
   static_assert(P::VB == 4 && P::G == 32 && P::NB == 4 && P::S == 16 && SPLIT<W> == 4, "Q4_K's layout");
-  // Y: dword 4 r' + u' = row (r' + 4 half) of step vector u' (+ 4 for the second pair of sources).
-  alignas(64) static constexpr int32_t Y_ROWS[2][16] = {
-      {0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27},
-      {4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31}};
-  // O_p: dword 8 e + u = row 2 p + e of vector u (u < 4 from the first Y, u >= 4 from the second).
+  // Y (STEP_ROWS of vectors 0 .. 3, or of 4 .. 7), then O_p: dword 8 e + u = row 2 p + e of
+  // vector u (u < 4 from the first Y, u >= 4 from the second).
   alignas(64) static constexpr int32_t O_ROWS[2][16] = {
       {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
       {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
-  // Within each 16 bytes of O_p's nibbles, a step's word pair (group 2b's, group 2b + 1's) of two
-  // steps regrouped as group 2b's two words, then group 2b + 1's.
-  alignas(64) static constexpr int8_t PAIRS[16] = {0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15};
-  // A row's 16 dwords from the regrouped low (L) and high (+16: H) nibbles: group 2b's values of
+  // A row's 16 dwords from the low (L) and high (+16: H) nibbles regrouped by PAIRS: group 2b's values of
   // steps 0 .. 7 (L), 8 .. 15 (H), then group 2b + 1's likewise; e: the row's place in O_p.
   alignas(64) static constexpr int32_t ROW[2][16] = {
       {0, 2, 4, 6, 16, 18, 20, 22, 1, 3, 5, 7, 17, 19, 21, 23},
       {8, 10, 12, 14, 24, 26, 28, 30, 9, 11, 13, 15, 25, 27, 29, 31}};
   const __m512i nibble = _mm512_set1_epi8(15), low_digit = _mm512_set1_epi16(15);
-  const __m512i y0 = _mm512_load_si512(Y_ROWS[0]), y1 = _mm512_load_si512(Y_ROWS[1]);
+  const __m512i y0 = _mm512_load_si512(STEP_ROWS[0]), y1 = _mm512_load_si512(STEP_ROWS[1]);
   const __m512i o0 = _mm512_load_si512(O_ROWS[0]), o1 = _mm512_load_si512(O_ROWS[1]);
   const __m512i w0 = _mm512_load_si512(ROW[0]), w1 = _mm512_load_si512(ROW[1]);
   const __m512i pairs = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)PAIRS));
@@ -457,18 +461,14 @@ template <class W>
 void fold_values6(const uint8_t* blk, int64_t first, uint8_t* o) {
   using P = KLayout<W>;
   static_assert(P::VB == 6 && P::G == 16 && P::NB == 8 && P::S == 8 && P::LOW == 128 && P::BLOCK == 192, "Q6_K's layout");
-  // T: dword 4 r' + u = row (r' + 4 half) of low-nibble vector u (vectors 0, 1 in the first source).
-  alignas(64) static constexpr int32_t T_ROWS[2][16] = {
-      {0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27},
-      {4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31}};
-  // The same row's dword of plane 0 (steps 0 .. 3) and of plane 1 (steps 4 .. 7), by half.
+  // T: STEP_ROWS of the 4 low-nibble vectors. PLANE: each dword of T's row's dword of plane 0
+  // (steps 0 .. 3) and of plane 1 (steps 4 .. 7), by half; SHIFTS: step u's bits at 2 u.
   alignas(64) static constexpr int32_t PLANE[2][2][16] = {
       {{0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}, {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11}},
       {{4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7}, {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}}};
   alignas(64) static constexpr int32_t SHIFTS[16] = {0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6};
-  alignas(64) static constexpr int8_t PAIRS[16] = {0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15};
-  // Rows 2 q, 2 q + 1 of a T, from its regrouped steps 0 .. 3 (L) and 4 .. 7 (+16: H): each row's
-  // group 2b values (16 bytes), then group 2b + 1's.
+  // Rows 2 q, 2 q + 1 of a T, from its steps 0 .. 3 (L) and 4 .. 7 (+16: H) regrouped by PAIRS:
+  // each row's group 2b values (16 bytes), then group 2b + 1's.
   alignas(64) static constexpr int32_t ROWS2[2][16] = {
       {0, 2, 16, 18, 1, 3, 17, 19, 4, 6, 20, 22, 5, 7, 21, 23},
       {8, 10, 24, 26, 9, 11, 25, 27, 12, 14, 28, 30, 13, 15, 29, 31}};
@@ -489,7 +489,7 @@ void fold_values6(const uint8_t* blk, int64_t first, uint8_t* o) {
       digits[j] = _mm512_or_si512(_mm512_and_si512(dj, low_words), _mm512_slli_epi32(dj, 16));
     }
     for (int half_ = 0; half_ < 2; ++half_) {
-      const __m512i t = _mm512_permutex2var_epi32(z0, _mm512_load_si512(T_ROWS[half_]), z1);
+      const __m512i t = _mm512_permutex2var_epi32(z0, _mm512_load_si512(STEP_ROWS[half_]), z1);
       const __m512i h0 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_load_si512(PLANE[half_][0]), planes), shifts), two_bits), 4);
       const __m512i h1 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_load_si512(PLANE[half_][1]), planes), shifts), two_bits), 4);
       const __m512i lo = _mm512_shuffle_epi8(_mm512_or_si512(_mm512_and_si512(t, nibble), h0), pairs);
