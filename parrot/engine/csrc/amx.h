@@ -148,7 +148,7 @@ alignas(16) constexpr int8_t PAIRS[16] = {0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 
 
 // Q4_K's folding straight from a packed super-block (blk) of 8 weight rows, written as rows
 // first .. first + 7 of the super-block's A tiles at o (both kinds), the same bytes as
-// unpack_values and weight_tiles' folding loop give: the block's 8 step vectors (a row's 4 bytes
+// unpack_values and fold_values5's loop give: the block's 8 step vectors (a row's 4 bytes
 // in each) transposed to a row's 32 bytes by two rounds of `vpermt2d`, split into nibbles, the
 // row's 64 values put in k order by a `vpshufb` and a `vpermt2d` (a word holds values 2 t, 2 t + 1
 // of one group), and each group's values times its scale's digits by one `vpmullw` per digit: a
@@ -208,24 +208,42 @@ void fold_values4(const uint8_t* blk, int64_t first, uint8_t* o) {
 // 2p in the low half, 2p + 1 in the high), for the epilogue's broadcasts. Every byte is written.
 constexpr int64_t SB_BYTES = 2 * KIND_BYTES + 2 * 64 + 4 * 64;
 
+// Q5_K's folding of a packed super-block (blk) of 8 weight rows, rows first .. first + 7 of the
+// A tiles at o: the values unpacked (unpack_values), then each group's times its scale's digits,
+// widened to words.
+template <class W>
+void fold_values5(const uint8_t* blk, int64_t first, uint8_t* o) {
+  using P = KLayout<W>;
+  constexpr int G = P::G;
+  alignas(64) uint8_t q[8][256];
+  unpack_values<W>(blk, q);
+  for (int r = 0; r < 8; ++r)
+    for (int g = 0; g < 8; ++g) {  // group g: values 32 (g % 2) .. of the A tiles' row first + r of chunk g / 2
+      const int scale = blk[P::SC_AT + 16 * (g / 2) + 2 * r + g % 2];
+      const __m512i values = _mm512_cvtepu8_epi16(_mm256_load_si256((const __m256i*)&q[r][G * g]));
+      const int64_t at = (int64_t)(g / 2) * AMX_ROWS * 64 + (first + r) * 64 + 32 * (g % 2);
+      const int high = scale >> SPLIT<W>, low = scale & ((1 << SPLIT<W>) - 1);
+      _mm256_storeu_si256((__m256i*)(o + at), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(values, _mm512_set1_epi16((short)high))));
+      _mm256_storeu_si256((__m256i*)(o + KIND_BYTES + at), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(values, _mm512_set1_epi16((short)low))));
+    }
+}
+
+// Rows first .. first + 7 of `tiles` consecutive A tiles at o set to 0 (weight rows past N).
+inline void clear_tile_rows(uint8_t* o, int tiles, int64_t first) {
+  for (int c = 0; c < tiles; ++c) std::memset(o + c * AMX_ROWS * 64 + first * 64, 0, 8 * 64);
+}
+
 template <class W>
 void weight_tiles(const uint8_t* packed, int64_t supers, int64_t groups8, int64_t g8, uint8_t* out) {
   using P = KLayout<W>;
-  constexpr int G = P::G;
-  alignas(64) uint8_t q[AMX_ROWS][256];
   for (int64_t sb = 0; sb < supers; ++sb) {
     uint8_t* o = out + sb * SB_BYTES;
     float* d = reinterpret_cast<float*>(o + 2 * KIND_BYTES);
     float* dmin = d + AMX_ROWS;
     int32_t* mins = reinterpret_cast<int32_t*>(dmin + AMX_ROWS);
-    uint8_t scale[AMX_ROWS][8] = {};
-    constexpr bool FOLD4 = P::VB == 4;  // fold_values4 writes the A tiles' bytes
     for (int half_ = 0; half_ < 2; ++half_) {
-      if (g8 + half_ >= groups8) {  // rows past N
-        if constexpr (FOLD4)  // their rows of both kinds' 4 tiles
-          for (int c = 0; c < 8; ++c) std::memset(o + c * AMX_ROWS * 64 + 8 * half_ * 64, 0, 8 * 64);
-        else
-          std::memset(q[8 * half_], 0, 8 * 256);
+      if (g8 + half_ >= groups8) {  // rows past N: their rows of both kinds' 4 tiles, d, dmin and mins 0
+        clear_tile_rows(o, 8, 8 * half_);
         for (int r = 0; r < 8; ++r) {
           d[8 * half_ + r] = dmin[8 * half_ + r] = 0;
           for (int p = 0; p < 4; ++p) mins[p * AMX_ROWS + 8 * half_ + r] = 0;
@@ -241,24 +259,9 @@ void weight_tiles(const uint8_t* packed, int64_t supers, int64_t groups8, int64_
           mins[p * AMX_ROWS + 8 * half_ + r] = (int32_t)(mn[0] | (uint32_t)mn[1] << 16);
         }
       }
-      if constexpr (FOLD4) {
-        fold_values4<W>(blk, 8 * half_, o);
-      } else {
-        unpack_values<W>(blk, &q[8 * half_]);
-        for (int b = 0; b < P::NB; ++b)
-          for (int r = 0; r < 8; ++r)
-            for (int h = 0; h < 2; ++h) scale[8 * half_ + r][2 * b + h] = blk[P::SC_AT + 16 * b + 2 * r + h];
-      }
+      if constexpr (P::VB == 4) fold_values4<W>(blk, 8 * half_, o);
+      else fold_values5<W>(blk, 8 * half_, o);
     }
-    if constexpr (!FOLD4)  // Q5_K
-      for (int m = 0; m < AMX_ROWS; ++m)
-        for (int g = 0; g < 8; ++g) {  // group g: values 32 (g % 2) .. of the A tiles' row m of chunk g / 2
-          const __m512i values = _mm512_cvtepu8_epi16(_mm256_load_si256((const __m256i*)&q[m][32 * g]));
-          const int64_t at = (int64_t)(g / 2) * AMX_ROWS * 64 + m * 64 + 32 * (g % 2);
-          const int high = scale[m][g] >> SPLIT<W>, low = scale[m][g] & ((1 << SPLIT<W>) - 1);
-          _mm256_storeu_si256((__m256i*)(o + at), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(values, _mm512_set1_epi16((short)high))));
-          _mm256_storeu_si256((__m256i*)(o + KIND_BYTES + at), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(values, _mm512_set1_epi16((short)low))));
-        }
   }
 }
 
@@ -521,7 +524,7 @@ void weight_tiles6(const uint8_t* packed, int64_t supers, int64_t groups8, int64
     float* d = reinterpret_cast<float*>(o + 3 * KIND_BYTES);
     for (int half_ = 0; half_ < 2; ++half_) {
       if (g8 + half_ >= groups8) {  // rows past N: weights and d 0 (their rows of the three digits' 4 tiles)
-        for (int c = 0; c < 12; ++c) std::memset(o + c * AMX_ROWS * 64 + 8 * half_ * 64, 0, 8 * 64);
+        clear_tile_rows(o, 12, 8 * half_);
         for (int r = 0; r < 8; ++r) d[8 * half_ + r] = 0;
         continue;
       }
