@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from parrot.engine.kernels import available_isas, kernels
+from parrot.engine.kernels import _extensions, available_isas, kernels
 from parrot.engine.quant import FORMATS, BlockWeight, _unpermute_rows
 from parrot.gguf_file import GGML_TYPES
 
@@ -201,8 +201,11 @@ def _fine_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 # The wide K-quant kernels this CPU runs, checked against the avx2 build; on an AVX2-only CPU the
-# avx2 build's tiles against its own one-row passes.
+# avx2 build's tiles against its own one-row passes. Where the avx512 set is built with VNNI, also
+# the same set without it ("avx512-16bit": the 16-bit steps an AVX-512 CPU without VNNI runs).
 WIDE = [isa for isa in ("avx512", "amx") if isa in available_isas()] or [isa for isa in ("avx2",) if isa in available_isas()]
+if "avx512" in available_isas() and _extensions("avx512"):
+    WIDE.append("avx512-16bit")
 
 
 @pytest.mark.parametrize("isa", WIDE)
@@ -210,7 +213,7 @@ WIDE = [isa for isa in ("avx512", "amx") if isa in available_isas()] or [isa for
 @pytest.mark.parametrize("fine", [False, True])
 def test_wide_k_quant_kernels_equal_the_avx2_steps(isa, kind, fine):
     # The AVX-512 build takes two steps of the packed K-quant layout per instruction (packed.h,
-    # kpairs), and the amx set runs K-quant layers over 32 or more rows on AMX tiles with the
+    # kpairs; with VNNI, a 32-bit sum per row and group, times the scales per block), and the amx set runs K-quant layers over 32 or more rows on AMX tiles with the
     # scales folded into the weights (Q4_K, Q5_K) or split into three digits (Q6_K; amx.h). Both
     # sum the same integers as the avx2 steps, so every output is bit for bit the avx2 build's:
     # one row of x (decoding), tiles of several, and (amx) whole and partial tiles of 16 rows and
@@ -226,7 +229,8 @@ def test_wide_k_quant_kernels_equal_the_avx2_steps(isa, kind, fine):
         x = (torch.randn(rows, 5 * 8, 32, generator=generator) * 3 * units).reshape(rows, 5 * 256)
         x[::3, 100] = 80.0  # outliers (taken out of plain rounding and added in float32)
         x[1::4, 700:720] = -90.0
-        wide = kernels(isa).linear(x, BlockWeight(kind, blocks.data.clone()), q8=True, fine=fine)
+        wide_set = kernels("avx512", extensions=False) if isa == "avx512-16bit" else kernels(isa)
+        wide = wide_set.linear(x, BlockWeight(kind, blocks.data.clone()), q8=True, fine=fine)
         if isa == "avx2":
             narrow = torch.cat([kernels("avx2").linear(x[i : i + 1], BlockWeight(kind, blocks.data.clone()), q8=True, fine=fine)
                                 for i in range(rows)])

@@ -243,7 +243,8 @@ Tiles linear_packed(const W& w, const uint8_t* packed, const XU& x, int64_t M, f
 // Rows of x quantised per super-block of 256 for the K-quant formats: per row and super-block,
 // q (256 bytes), d and the sums of q by 16.
 // For the packed K-quant kernels also: the sums by 32, and q arranged as their steps read it
-// (`arranged(G)`: per pair of groups of G, 4 bytes a step: 2t, 2t + 1 of each group).
+// (`arranged(G)`: per pair of groups of G, 4 bytes a step: 2t, 2t + 1 of each group; built with
+// AVX-512 VNNI, each two steps' 8 bytes in simd.h's VNNI_ORDER, as kpairs reads the weights then).
 // Only the forms a layer's parts read are kept: q itself for the AMX tiles (amx_layout), each
 // arrangement for the tiles of a format with groups of that size. Their bytes are written whole,
 // so they are not zeroed first (a prompt chunk of 400 rows spent about 1% of its time zeroing
@@ -383,6 +384,13 @@ struct XK {
     for (int b = 0; b < 256 / (2 * G); ++b)
       for (int t = 0; t < G / 2; ++t)
         for (int j = 0; j < 4; ++j) out[b * 2 * G + 4 * t + j] = in[(2 * b + j / 2) * G + 2 * t + j % 2];
+#if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
+    for (int o = 0; o < 256; o += 8) {  // kpairs' VNNI order
+      int8_t steps[8];
+      std::memcpy(steps, out + o, 8);
+      for (int j = 0; j < 8; ++j) out[o + j] = steps[bytes::VNNI_ORDER[j]];
+    }
+#endif
   }
 };
 
@@ -493,6 +501,32 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* c
   static_assert(P::S % (2 * P::FLUSH) == 0 && P::S % 4 == 0, "whole pairs of steps, flushed within a block");
   S2 sums[MT];
   for (int i = 0; i < MT; ++i) sums[i] = szero2();
+#if defined(__AVX512VNNI__)
+  // VNNI: each step pair's bytes in VNNI order (simd.h's vnni_order; x is arranged so), added
+  // into one int32 per row and group by `vpdpbusd` (no 16-bit sums, so no flushes), and each
+  // block's sums times their scales. The same integers as the steps below: a row's super-block
+  // sum is exact either way (at most 2^31 - 1 in magnitude with FINE's multipliers).
+  for (int b = 0; b < P::NB; ++b) {
+    const S2 scale = ssigned2(blk + P::SC_AT + 16 * b);
+    S2 scaled[FINE ? MT : 1];
+    if constexpr (FINE)
+      for (int i = 0; i < MT; ++i) scaled[i] = smul2(scale, spairs2(factor_pair<P>(xf[i] + sb * 8, b)));
+    const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
+    const int8_t* xb[MT];
+    for (int i = 0; i < MT; ++i) xb[i] = xa[i] + sb * 256 + b * 2 * P::G;
+    S2 part[MT];
+    for (int i = 0; i < MT; ++i) part[i] = szero2();
+#pragma GCC unroll 8
+    for (int t = 0; t < P::S; t += 2) {
+      B2 wt = bits2(pairs2(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
+      if constexpr (P::VB == 5) wt = bor2(wt, fifth2(plane2(v + P::LOW + 32 * (t / 8)), t % 8));
+      if constexpr (P::VB == 6) wt = bor2(wt, sixth2(plane2(v + P::LOW + 32 * (t / 4)), t % 4));
+      wt = vnni_order(wt);
+      for (int i = 0; i < MT; ++i) part[i] = dot4x2(part[i], wt, bcast8(xb[i] + 4 * t));
+    }
+    for (int i = 0; i < MT; ++i) sums[i] = sadd2(sums[i], smul2(part[i], FINE ? scaled[i] : scale));
+  }
+#else
   for (int b = 0; b < P::NB; ++b) {
     const H2 scale = hsigned2(blk + P::SC_AT + 16 * b);
     H2 scaled[FINE ? MT : 1];  // FINE: each row's scales times its multipliers, made once per block
@@ -519,6 +553,7 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* c
         }
     }
   }
+#endif
   for (int i = 0; i < MT; ++i) total[i] = fold(sums[i]);
 }
 #endif

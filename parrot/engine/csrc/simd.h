@@ -410,6 +410,22 @@ inline H2 hmul2(H2 a, H2 b) { return {_mm512_mullo_epi16(a.v, b.v)}; }
 inline H2 hpairs2(int32_t v) { return {_mm512_set1_epi32(v)}; }  // v's low and high 16 bits, 16 times
 inline S2 sadd2(S2 a, S2 b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline S2 szero2() { return {_mm512_setzero_si512()}; }
+#if defined(__AVX512VNNI__)
+// With VNNI (`vpdpbusd`: 4 byte products added into a 32-bit lane) each lane must hold 4 values of
+// one group: within each row's 8 bytes of two steps, [a0 a1 b0 b1 a2 a3 b2 b3] (a, b: the block's
+// first and second group) becomes [a0 a1 a2 a3 b0 b1 b2 b3], so that lane 2r sums row r's first
+// group and lane 2r + 1 its second. XK::arranged puts x's bytes in the same order (VNNI_ORDER).
+constexpr int VNNI_ORDER[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+inline B2 vnni_order(B2 a) {
+  return {_mm512_shuffle_epi8(a.v, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15)))};
+}
+inline S2 dot4x2(S2 acc, B2 u, B2 x) { return {_mm512_dpbusd_epi32(acc.v, u.v, x.v)}; }
+inline S2 smul2(S2 a, S2 b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
+// 16 signed bytes (a block's scales, row r's two at 2r) as int32: lane 2r row r's first, 2r + 1 its second.
+inline S2 ssigned2(const uint8_t* p) { return {_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))}; }
+// v's low and high 16 bits as int32, alternating in 16 lanes.
+inline S2 spairs2(int32_t v) { return {_mm512_cvtepi16_epi32(_mm256_set1_epi32(v))}; }
+#endif
 // Row r's sum: lanes 2r + 2r + 1.
 inline S fold(S2 a) {
   const __m512i sums = _mm512_add_epi32(a.v, _mm512_shuffle_epi32(a.v, _MM_PERM_CDAB));
