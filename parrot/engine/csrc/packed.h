@@ -495,6 +495,17 @@ inline int32_t factor_pair(const int16_t* f, int b) {
 // Xeon: 32 GB/s of packed weights from L2 on one core, 14 from memory). Qwen2.5-Coder-1.5B,
 // interleaved A/B: one-token pass 50.0-50.3 -> 44.1-45.5 ms; a 512-token chunk 4.06-4.07 s with
 // x broadcast per row, 3.58-3.68 s with the weights interleaved instead.
+// Steps t, t + 1 of a block's weights (at v) for the 8 rows, interleaved by row: both low nibbles
+// or both high, in adjacent vectors, with Q5_K's and Q6_K's high bits added.
+template <class P>
+inline bytes::B2 step_pair(const uint8_t* v, int t) {
+  using namespace bytes;
+  B2 wt = bits2(pairs2(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
+  if constexpr (P::VB == 5) wt = bor2(wt, fifth2(plane2(v + P::LOW + 32 * (t / 8)), t % 8));
+  if constexpr (P::VB == 6) wt = bor2(wt, sixth2(plane2(v + P::LOW + 32 * (t / 4)), t % 4));
+  return wt;
+}
+
 template <int MT, class P, bool FINE>
 inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* const* xf, int64_t sb, bytes::S* total) {
   using namespace bytes;
@@ -518,10 +529,7 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* c
     for (int i = 0; i < MT; ++i) part[i] = szero2();
 #pragma GCC unroll 8
     for (int t = 0; t < P::S; t += 2) {
-      B2 wt = bits2(pairs2(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
-      if constexpr (P::VB == 5) wt = bor2(wt, fifth2(plane2(v + P::LOW + 32 * (t / 8)), t % 8));
-      if constexpr (P::VB == 6) wt = bor2(wt, sixth2(plane2(v + P::LOW + 32 * (t / 4)), t % 4));
-      wt = vnni_order(wt);
+      const B2 wt = vnni_order(step_pair<P>(v, t));
       for (int i = 0; i < MT; ++i) part[i] = dot4x2(part[i], wt, bcast8(xb[i] + 4 * t));
     }
     for (int i = 0; i < MT; ++i) sums[i] = sadd2(sums[i], smul2(part[i], FINE ? scaled[i] : scale));
@@ -538,10 +546,8 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* c
     H2 part[MT];
     for (int i = 0; i < MT; ++i) part[i] = hzero2();
 #pragma GCC unroll 8
-    for (int t = 0; t < P::S; t += 2) {  // steps t, t + 1: both low nibbles or both high, in adjacent vectors
-      B2 wt = bits2(pairs2(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
-      if constexpr (P::VB == 5) wt = bor2(wt, fifth2(plane2(v + P::LOW + 32 * (t / 8)), t % 8));
-      if constexpr (P::VB == 6) wt = bor2(wt, sixth2(plane2(v + P::LOW + 32 * (t / 4)), t % 4));
+    for (int t = 0; t < P::S; t += 2) {
+      const B2 wt = step_pair<P>(v, t);
       for (int i = 0; i < MT; ++i) {
         part[i] = hplus2(part[i], pdot16x2(wt, bcast8(xb[i] + 4 * t)));
         hpin2(part[i]);
