@@ -512,41 +512,39 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* c
   static_assert(P::S % (2 * P::FLUSH) == 0 && P::S % 4 == 0, "whole pairs of steps, flushed within a block");
   S2 sums[MT];
   for (int i = 0; i < MT; ++i) sums[i] = szero2();
-#if defined(__AVX512VNNI__)
-  // VNNI: each step pair's bytes in VNNI order (simd.h's vnni_order; x is arranged so), added
+  // With VNNI: each step pair's bytes in VNNI order (simd.h's vnni_order; x is arranged so), added
   // into one int32 per row and group by `vpdpbusd` (no 16-bit sums, so no flushes), and each
-  // block's sums times their scales. The same integers as the steps below: a row's super-block
-  // sum is exact either way (at most 2^31 - 1 in magnitude with FINE's multipliers).
+  // block's sums times their scales (32-bit). The same integers as the 16-bit steps: a row's
+  // super-block sum is exact either way (at most 2^31 - 1 in magnitude with FINE's multipliers).
+#if defined(__AVX512VNNI__)
+  using Scale = S2;
+  using Part = S2;
+  const auto scales = [](const uint8_t* p) { return ssigned2(p); };
+  const auto times = [](Scale a, int32_t f) { return smul2(a, spairs2(f)); };
+  const auto part_zero = [] { return szero2(); };
+#else
+  using Scale = H2;
+  using Part = H2;
+  const auto scales = [](const uint8_t* p) { return hsigned2(p); };
+  const auto times = [](Scale a, int32_t f) { return hmul2(a, hpairs2(f)); };
+  const auto part_zero = [] { return hzero2(); };
+#endif
   for (int b = 0; b < P::NB; ++b) {
-    const S2 scale = ssigned2(blk + P::SC_AT + 16 * b);
-    S2 scaled[FINE ? MT : 1];
+    const Scale scale = scales(blk + P::SC_AT + 16 * b);
+    Scale scaled[FINE ? MT : 1];  // FINE: each row's scales times its multipliers, made once per block
     if constexpr (FINE)
-      for (int i = 0; i < MT; ++i) scaled[i] = smul2(scale, spairs2(factor_pair<P>(xf[i] + sb * 8, b)));
+      for (int i = 0; i < MT; ++i) scaled[i] = times(scale, factor_pair<P>(xf[i] + sb * 8, b));
     const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
     const int8_t* xb[MT];
     for (int i = 0; i < MT; ++i) xb[i] = xa[i] + sb * 256 + b * 2 * P::G;
-    S2 part[MT];
-    for (int i = 0; i < MT; ++i) part[i] = szero2();
+    Part part[MT];
+    for (int i = 0; i < MT; ++i) part[i] = part_zero();
 #pragma GCC unroll 8
     for (int t = 0; t < P::S; t += 2) {
+#if defined(__AVX512VNNI__)
       const B2 wt = vnni_order(step_pair<P>(v, t));
       for (int i = 0; i < MT; ++i) part[i] = dot4x2(part[i], wt, bcast8(xb[i] + 4 * t));
-    }
-    for (int i = 0; i < MT; ++i) sums[i] = sadd2(sums[i], smul2(part[i], FINE ? scaled[i] : scale));
-  }
 #else
-  for (int b = 0; b < P::NB; ++b) {
-    const H2 scale = hsigned2(blk + P::SC_AT + 16 * b);
-    H2 scaled[FINE ? MT : 1];  // FINE: each row's scales times its multipliers, made once per block
-    if constexpr (FINE)
-      for (int i = 0; i < MT; ++i) scaled[i] = hmul2(scale, hpairs2(factor_pair<P>(xf[i] + sb * 8, b)));
-    const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
-    const int8_t* xb[MT];
-    for (int i = 0; i < MT; ++i) xb[i] = xa[i] + sb * 256 + b * 2 * P::G;
-    H2 part[MT];
-    for (int i = 0; i < MT; ++i) part[i] = hzero2();
-#pragma GCC unroll 8
-    for (int t = 0; t < P::S; t += 2) {
       const B2 wt = step_pair<P>(v, t);
       for (int i = 0; i < MT; ++i) {
         part[i] = hplus2(part[i], pdot16x2(wt, bcast8(xb[i] + 4 * t)));
@@ -557,9 +555,12 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* c
           sums[i] = sadd2(sums[i], hdot2(part[i], FINE ? scaled[i] : scale));
           part[i] = hzero2();
         }
-    }
-  }
 #endif
+    }
+#if defined(__AVX512VNNI__)
+    for (int i = 0; i < MT; ++i) sums[i] = sadd2(sums[i], smul2(part[i], FINE ? scaled[i] : scale));
+#endif
+  }
   for (int i = 0; i < MT; ++i) total[i] = fold(sums[i]);
 }
 #endif
