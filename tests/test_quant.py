@@ -213,13 +213,14 @@ if "avx512" in available_isas() and _extensions("avx512"):
 @pytest.mark.parametrize("fine", [False, True])
 def test_wide_k_quant_kernels_equal_the_avx2_steps(isa, kind, fine):
     # The AVX-512 build takes two steps of the packed K-quant layout per instruction (packed.h,
-    # kpairs; with VNNI, a 32-bit sum per row and group, times the scales per block), and the amx set runs K-quant layers over 32 or more rows on AMX tiles with the
-    # scales folded into the weights (Q4_K, Q5_K) or split into three digits (Q6_K; amx.h). Both
-    # sum the same integers as the avx2 steps, so every output is bit for bit the avx2 build's:
-    # one row of x (decoding), tiles of several, and (amx) whole and partial tiles of 16 rows and
-    # pairs of them, with 8-row groups of weights not filling one. With `fine` (the LM head's
-    # rounding) every set runs packed.h's tiles: the AVX-512 pairs against the avx2 steps. Units
-    # of 32 of different sizes, so that the fine multipliers take every value 1 .. 8.
+    # kpairs; with VNNI, a 32-bit sum per row and group, times the scales per block), and the amx set
+    # runs K-quant layers over 32 or more rows on AMX tiles with the scales folded into the weights
+    # (Q4_K, Q5_K) or split into three digits (Q6_K; amx.h). Both sum the same integers as the avx2
+    # steps, so every output is bit for bit the avx2 build's: one row of x (decoding), tiles of
+    # several, and (amx) whole and partial tiles of 16 rows and pairs of them, with 8-row groups of
+    # weights not filling one. With `fine` (the LM head's rounding) every set runs packed.h's tiles:
+    # the AVX-512 pairs against the avx2 steps. Units of 32 of different sizes, so that the fine
+    # multipliers take every value 1 .. 8.
     if isa == "amx" and not kernels("amx").amx_ready:
         pytest.skip("the OS did not grant the AMX tile registers")
     blocks, _ = _random_blocks(kind, 40, 5 * 256, seed=6)

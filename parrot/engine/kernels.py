@@ -91,7 +91,8 @@ def cpu_description() -> str:
             name = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), name)
     except OSError:
         pass
-    sets = [isa + "".join(f"+{flag.partition('_')[2]}" for flag, option in EXTENSIONS.get(isa, ()) if option in _extensions(isa))
+    flags = _cpu_flags()  # a set with extensions as avx512+vnni
+    sets = [isa + "".join(f"+{flag.partition('_')[2]}" for flag, _ in EXTENSIONS.get(isa, ()) if flag in flags)
             for isa in available_isas()]
     return f"{name} ({', '.join(sets)})"
 

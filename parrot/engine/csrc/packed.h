@@ -486,15 +486,6 @@ inline int32_t factor_pair(const int16_t* f, int b) {
 }
 
 #if defined(PARROT_AVX512)
-// The integer sums of super-block sb of a group (at blk) with MT rows of x (xa: each row's
-// arranged bytes), two steps per instruction (simd.h's B2: the two steps' vectors interleaved by
-// row, once per load for all MT rows, and x's bytes of both steps one 64-bit broadcast). Each
-// 16-bit lane adds half as many steps between flushes, so a flush comes every 2 FLUSH steps; fold
-// adds each row's two lanes. The same integers as the 256-bit steps below, in about half the
-// instructions: a one-token Q4_K pass spent more time computing than waiting for memory (Intel
-// Xeon: 32 GB/s of packed weights from L2 on one core, 14 from memory). Qwen2.5-Coder-1.5B,
-// interleaved A/B: one-token pass 50.0-50.3 -> 44.1-45.5 ms; a 512-token chunk 4.06-4.07 s with
-// x broadcast per row, 3.58-3.68 s with the weights interleaved instead.
 // Steps t, t + 1 of a block's weights (at v) for the 8 rows, interleaved by row: both low nibbles
 // or both high, in adjacent vectors, with Q5_K's and Q6_K's high bits added.
 template <class P>
@@ -506,6 +497,15 @@ inline bytes::B2 step_pair(const uint8_t* v, int t) {
   return wt;
 }
 
+// The integer sums of super-block sb of a group (at blk) with MT rows of x (xa: each row's
+// arranged bytes), two steps per instruction (simd.h's B2: the two steps' vectors interleaved by
+// row, once per load for all MT rows, and x's bytes of both steps one 64-bit broadcast). Each
+// 16-bit lane adds half as many steps between flushes, so a flush comes every 2 FLUSH steps; fold
+// adds each row's two lanes. The same integers as the 256-bit steps below, in about half the
+// instructions: a one-token Q4_K pass spent more time computing than waiting for memory (Intel
+// Xeon: 32 GB/s of packed weights from L2 on one core, 14 from memory). Qwen2.5-Coder-1.5B,
+// interleaved A/B: one-token pass 50.0-50.3 -> 44.1-45.5 ms; a 512-token chunk 4.06-4.07 s with
+// x broadcast per row, 3.58-3.68 s with the weights interleaved instead.
 template <int MT, class P, bool FINE>
 inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* const* xf, int64_t sb, bytes::S* total) {
   using namespace bytes;
