@@ -202,10 +202,14 @@ def _fine_rows(x: torch.Tensor) -> torch.Tensor:
 
 # The wide K-quant kernels this CPU runs, checked against the avx2 build; on an AVX2-only CPU the
 # avx2 build's tiles against its own one-row passes. Where the avx512 set is built with VNNI, also
-# the same set without it ("avx512-16bit": the 16-bit steps an AVX-512 CPU without VNNI runs).
+# the same set without it ("avx512-16bit": the 16-bit steps an AVX-512 CPU without VNNI runs), and
+# where with VBMI as well, with VNNI only ("avx512-vnni": the shuffles a CPU without VBMI runs).
 WIDE = [isa for isa in ("avx512", "amx") if isa in available_isas()] or [isa for isa in ("avx2",) if isa in available_isas()]
-if "avx512" in available_isas() and _extensions("avx512"):
+if "avx512" in available_isas() and _extensions("avx512", ("avx512_vnni",)):
     WIDE.append("avx512-16bit")
+    if _extensions("avx512", ("avx512vbmi",)):
+        WIDE.append("avx512-vnni")
+WIDE_SETS = {"avx512-16bit": ("avx512", ()), "avx512-vnni": ("avx512", ("avx512_vnni",))}
 
 
 @pytest.mark.parametrize("isa", WIDE)
@@ -230,7 +234,7 @@ def test_wide_k_quant_kernels_equal_the_avx2_steps(isa, kind, fine):
         x = (torch.randn(rows, 5 * 8, 32, generator=generator) * 3 * units).reshape(rows, 5 * 256)
         x[::3, 100] = 80.0  # outliers (taken out of plain rounding and added in float32)
         x[1::4, 700:720] = -90.0
-        wide_set = kernels("avx512", extensions=False) if isa == "avx512-16bit" else kernels(isa)
+        wide_set = kernels(WIDE_SETS[isa][0], extensions=WIDE_SETS[isa][1]) if isa in WIDE_SETS else kernels(isa)
         wide = wide_set.linear(x, BlockWeight(kind, blocks.data.clone()), q8=True, fine=fine)
         if isa == "avx2":
             narrow = torch.cat([kernels("avx2").linear(x[i : i + 1], BlockWeight(kind, blocks.data.clone()), q8=True, fine=fine)

@@ -10,7 +10,7 @@ need not agree with each other bit for bit (their vectors add in different order
 
 A library is built once per machine with the system C++ compiler (a few seconds per set, cached
 under the Parrot cache directory, keyed by the source and the compiler). A set uses the
-extensions the CPU has among its EXTENSIONS (the avx512 set: VNNI), with the same results.
+extensions the CPU has among its EXTENSIONS (the avx512 set: VNNI, VBMI), with the same results.
 ``PARROT_KERNELS`` picks a set (``amx``, ``avx512``, ``avx2``, ``portable``) or turns them off
 (``0``): then Parrot uses float32 weights and SDPA attention, as it does where there is no
 compiler.
@@ -55,8 +55,10 @@ ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
 }
 # Extensions a set is built with where the CPU has them (its /proc/cpuinfo flag and compiler
 # flag): the same results, faster. AVX-512 VNNI's `vpdpbusd` adds 4 byte products into a 32-bit
-# lane, which the AVX-512 set's K-quant tiles use for their steps (packed.h, kpairs).
-EXTENSIONS: dict[str, tuple[tuple[str, str], ...]] = {"avx512": (("avx512_vnni", "-mavx512vnni"),)}
+# lane, which the AVX-512 set's K-quant tiles use for their steps (packed.h, kpairs); with VBMI's
+# `vpermb` their loads put the weights' bytes in that order themselves (simd.h, vnni_pairs).
+EXTENSIONS: dict[str, tuple[tuple[str, str], ...]] = {
+    "avx512": (("avx512_vnni", "-mavx512vnni"), ("avx512vbmi", "-mavx512vbmi"))}
 # Block formats by their number in the library (their place in quant.FORMATS and csrc/formats.h).
 KIND = {name: i for i, name in enumerate(FORMATS)}
 
@@ -77,10 +79,15 @@ def available_isas() -> list[str]:
     return [isa for isa, (_, needs) in ISAS.items() if not needs or (x86 and all(f in flags for f in needs))]
 
 
-def _extensions(isa: str) -> tuple[str, ...]:
-    """The compiler flags of ``isa``'s extensions this CPU has (EXTENSIONS)."""
+def _extensions(isa: str, only: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The compiler flags of ``isa``'s extensions this CPU has (EXTENSIONS); ``only``: of those,
+    the ones with these /proc/cpuinfo flags."""
     flags = _cpu_flags()
-    return tuple(option for flag, option in EXTENSIONS.get(isa, ()) if flag in flags)
+    return tuple(option for flag, option in EXTENSIONS.get(isa, ()) if flag in flags and (only is None or flag in only))
+
+
+def _extension_name(flag: str) -> str:
+    return flag.removeprefix("avx512").lstrip("_")  # avx512_vnni: vnni, avx512vbmi: vbmi
 
 
 def cpu_description() -> str:
@@ -91,8 +98,8 @@ def cpu_description() -> str:
             name = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), name)
     except OSError:
         pass
-    flags = _cpu_flags()  # a set with extensions as avx512+vnni
-    sets = [isa + "".join(f"+{flag.partition('_')[2]}" for flag, _ in EXTENSIONS.get(isa, ()) if flag in flags)
+    flags = _cpu_flags()  # a set with extensions as avx512+vnni+vbmi
+    sets = [isa + "".join(f"+{_extension_name(flag)}" for flag, _ in EXTENSIONS.get(isa, ()) if flag in flags)
             for isa in available_isas()]
     return f"{name} ({', '.join(sets)})"
 
@@ -308,16 +315,17 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _build(isa: str, format_header: str | None = None, extensions: bool = True) -> str:
+def _build(isa: str, format_header: str | None = None, extensions: bool | tuple[str, ...] = True) -> str:
     """Compile the library for ``isa`` (once; cached by source, flags and compiler), with the
-    extensions this CPU has unless ``extensions`` is false. For tests only: ``format_header``, a
+    extensions this CPU has unless ``extensions`` is false (a tuple: only those of these
+    /proc/cpuinfo flags). For tests only: ``format_header``, a
     header of extra block formats to compile in (csrc/formats.h's PARROT_EXTRA_FORMAT_HEADER),
     cached by its contents."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     flags = ["-O3", "-std=c++20", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", *ISAS[isa][0],
-             *(_extensions(isa) if extensions else ())]
+             *(_extensions(isa, None if extensions is True else tuple(extensions or ())))]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     digest = hashlib.sha256(" ".join([cxx, *version, *flags]).encode())
     for path in SOURCES + ([format_header] if format_header is not None else []):
@@ -342,15 +350,16 @@ def _build(isa: str, format_header: str | None = None, extensions: bool = True) 
 
 
 @lru_cache(maxsize=None)
-def _load(isa: str, extensions: bool = True) -> Kernels:
+def _load(isa: str, extensions: bool | tuple[str, ...] = True) -> Kernels:
     return Kernels(isa, ctypes.CDLL(_build(isa, extensions=extensions)))
 
 
-def kernels(isa: str | None = None, *, extensions: bool = True) -> Kernels | None:
+def kernels(isa: str | None = None, *, extensions: bool | tuple[str, ...] = True) -> Kernels | None:
     """The kernel set ``isa``, or by default the best this CPU runs and this compiler builds
     (``PARROT_KERNELS`` to pick one); None, with the reason logged, when kernels are off or none
     can be built. FormatTableMismatch when a library's formats are not quant.FORMATS.
-    ``extensions=False``: the set built without its EXTENSIONS (tests compare the two)."""
+    ``extensions=False``: the set built without its EXTENSIONS, a tuple of /proc/cpuinfo flags:
+    with only those (tests compare them)."""
     if isa is None:
         chosen = os.environ.get("PARROT_KERNELS", "")
         if chosen == "0":

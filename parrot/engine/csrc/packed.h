@@ -487,14 +487,25 @@ inline int32_t factor_pair(const int16_t* f, int b) {
 
 #if defined(PARROT_AVX512)
 // Steps t, t + 1 of a block's weights (at v) for the 8 rows, interleaved by row: both low nibbles
-// or both high, in adjacent vectors, with Q5_K's and Q6_K's high bits added.
+// or both high, in adjacent vectors, with Q5_K's and Q6_K's high bits added. With VNNI in VNNI
+// order (simd.h's vnni_order), which VBMI's loads give directly (vnni_pairs, vnni_plane).
 template <class P>
 inline bytes::B2 step_pair(const uint8_t* v, int t) {
   using namespace bytes;
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+  B2 wt = bits2(vnni_pairs(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
+  if constexpr (P::VB == 5) wt = bor2(wt, fifth2(vnni_plane(v + P::LOW + 32 * (t / 8)), t % 8, true));
+  if constexpr (P::VB == 6) wt = bor2(wt, sixth2(vnni_plane(v + P::LOW + 32 * (t / 4)), t % 4, true));
+  return wt;
+#else
   B2 wt = bits2(pairs2(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
   if constexpr (P::VB == 5) wt = bor2(wt, fifth2(plane2(v + P::LOW + 32 * (t / 8)), t % 8));
   if constexpr (P::VB == 6) wt = bor2(wt, sixth2(plane2(v + P::LOW + 32 * (t / 4)), t % 4));
+#if defined(__AVX512VNNI__)
+  wt = vnni_order(wt);
+#endif
   return wt;
+#endif
 }
 
 // The integer sums of super-block sb of a group (at blk) with MT rows of x (xa: each row's
@@ -541,11 +552,10 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* c
     for (int i = 0; i < MT; ++i) part[i] = part_zero();
 #pragma GCC unroll 8
     for (int t = 0; t < P::S; t += 2) {
+      const B2 wt = step_pair<P>(v, t);
 #if defined(__AVX512VNNI__)
-      const B2 wt = vnni_order(step_pair<P>(v, t));
       for (int i = 0; i < MT; ++i) part[i] = dot4x2(part[i], wt, bcast8(xb[i] + 4 * t));
 #else
-      const B2 wt = step_pair<P>(v, t);
       for (int i = 0; i < MT; ++i) {
         part[i] = hplus2(part[i], pdot16x2(wt, bcast8(xb[i] + 4 * t)));
         hpin2(part[i]);

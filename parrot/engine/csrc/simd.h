@@ -382,21 +382,29 @@ inline B2 bcast8(const int8_t* p) { int64_t v; std::memcpy(&v, p, 8); return {_m
 inline B2 plane2(const uint8_t* p) {
   return {_mm512_permutexvar_epi32(rows_twice(), _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p)))};
 }
-// Each row's even 32-bit lane shifted left by `even`, its odd lane by `odd` (negative: right),
-// then masked: the 5th (fifth2) or 5th and 6th (sixth2) bits of two steps. Shifts are by 16-bit
-// lanes; the mask keeps only bits that came from their own byte. The counts are constants once
-// the callers' loops are unrolled.
-inline __m512i shifted2(B2 h, int even, int odd) {
-  const auto counts = [](int a, int b) { return _mm512_set_epi16(b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a); };
+// Each row's step t shifted left by `even`, its step t + 1 by `odd` (negative: right), then
+// masked: the 5th (fifth2) or 5th and 6th (sixth2) bits of two steps. Step t is a row's even
+// 32-bit lane (plane2), or with `words` the first 16-bit lane of each 32-bit lane (vnni_plane).
+// Shifts are by 16-bit lanes; the mask keeps only bits that came from their own byte. The counts
+// are constants once the callers' loops are unrolled.
+inline __m512i shifted2(B2 h, int even, int odd, bool words) {
+  const auto counts = [words](int a, int b) {
+    return words ? _mm512_set_epi16(b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a)
+                 : _mm512_set_epi16(b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a, b, b, a, a);
+  };
   __m512i out = h.v;
   if (even > 0 || odd > 0) out = _mm512_sllv_epi16(out, counts(even > 0 ? even : 0, odd > 0 ? odd : 0));
   if (even < 0 || odd < 0) out = _mm512_srlv_epi16(out, counts(even < 0 ? -even : 0, odd < 0 ? -odd : 0));
   return out;
 }
 // Bits t, t + 1 of each byte, to bit 4.
-inline B2 fifth2(B2 h, int t) { return {_mm512_and_si512(shifted2(h, 4 - t, 3 - t), _mm512_set1_epi8(16))}; }
+inline B2 fifth2(B2 h, int t, bool words = false) {
+  return {_mm512_and_si512(shifted2(h, 4 - t, 3 - t, words), _mm512_set1_epi8(16))};
+}
 // Bits 2 s, 2 s + 1 (step t) and 2 s + 2, 2 s + 3 (step t + 1), to bits 4, 5.
-inline B2 sixth2(B2 h, int s) { return {_mm512_and_si512(shifted2(h, 4 - 2 * s, 2 - 2 * s), _mm512_set1_epi8(0x30))}; }
+inline B2 sixth2(B2 h, int s, bool words = false) {
+  return {_mm512_and_si512(shifted2(h, 4 - 2 * s, 2 - 2 * s, words), _mm512_set1_epi8(0x30))};
+}
 inline H2 pdot16x2(B2 u, B2 x) { return {_mm512_maddubs_epi16(u.v, x.v)}; }
 inline H2 hplus2(H2 a, H2 b) { return {_mm512_add_epi16(a.v, b.v)}; }
 inline H2 hzero2() { return {_mm512_setzero_si512()}; }
@@ -419,6 +427,32 @@ constexpr int VNNI_ORDER[8] = {0, 1, 4, 5, 2, 3, 6, 7};
 inline B2 vnni_order(B2 a) {
   return {_mm512_shuffle_epi8(a.v, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15)))};
 }
+#if defined(__AVX512VBMI__)
+// With VBMI (`vpermb`, any byte of a 512-bit vector to any place) the loads put the bytes in VNNI
+// order themselves: one permutation instead of pairs2's and vnni_order's two, for both steps of a
+// low nibble's load and its high nibble's (taking bits commutes with moving bytes). Byte m of row
+// r's 8 comes from byte VNNI_ORDER[m] % 4 of step t (VNNI_ORDER[m] < 4) or t + 1 (the others).
+struct VnniIndex { alignas(64) int8_t at[64]; };
+constexpr VnniIndex vnni_index(bool plane) {
+  VnniIndex index{};
+  for (int r = 0; r < 8; ++r)
+    for (int m = 0; m < 8; ++m) {
+      const int from = VNNI_ORDER[m];
+      index.at[8 * r + m] = (int8_t)(plane ? 4 * r + from % 4 : 4 * (from < 4 ? r : 8 + r) + from % 4);
+    }
+  return index;
+}
+inline constexpr VnniIndex VNNI_PAIRS = vnni_index(false), VNNI_PLANE = vnni_index(true);
+// The step vectors at p and p + 32 in VNNI order (pairs2, then vnni_order).
+inline B2 vnni_pairs(const uint8_t* p) {
+  return {_mm512_permutexvar_epi8(_mm512_load_si512(VNNI_PAIRS.at), _mm512_loadu_si512(p))};
+}
+// A 32-byte high-bit plane, each row's 4 bytes placed as vnni_pairs places both steps' (step t's in
+// the first 16-bit lane of each 32-bit lane, t + 1's in the second: fifth2's and sixth2's `words`).
+inline B2 vnni_plane(const uint8_t* p) {
+  return {_mm512_permutexvar_epi8(_mm512_load_si512(VNNI_PLANE.at), _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p)))};
+}
+#endif
 inline S2 dot4x2(S2 acc, B2 u, B2 x) { return {_mm512_dpbusd_epi32(acc.v, u.v, x.v)}; }
 inline S2 smul2(S2 a, S2 b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
 // 16 signed bytes (a block's scales, row r's two at 2r) as int32: lane 2r row r's first, 2r + 1 its second.
