@@ -318,9 +318,8 @@ def _compiler() -> str | None:
 def _build(isa: str, format_header: str | None = None, extensions: bool | tuple[str, ...] = True) -> str:
     """Compile the library for ``isa`` (once; cached by source, flags and compiler), with the
     extensions this CPU has unless ``extensions`` is false (a tuple: only those of these
-    /proc/cpuinfo flags). For tests only: ``format_header``, a
-    header of extra block formats to compile in (csrc/formats.h's PARROT_EXTRA_FORMAT_HEADER),
-    cached by its contents."""
+    /proc/cpuinfo flags). For tests only: ``format_header``, a header of extra block formats to
+    compile in (csrc/formats.h's PARROT_EXTRA_FORMAT_HEADER), cached by its contents."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
