@@ -315,16 +315,16 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _build(isa: str, format_header: str | None = None, extensions: bool | tuple[str, ...] = True) -> str:
+def _build(isa: str, format_header: str | None = None, extensions: tuple[str, ...] | None = None) -> str:
     """Compile the library for ``isa`` (once; cached by source, flags and compiler), with the
-    extensions this CPU has unless ``extensions`` is false (a tuple: only those of these
-    /proc/cpuinfo flags). For tests only: ``format_header``, a header of extra block formats to
-    compile in (csrc/formats.h's PARROT_EXTRA_FORMAT_HEADER), cached by its contents."""
+    extensions this CPU has (``extensions``: only those of these /proc/cpuinfo flags). For tests
+    only: ``format_header``, a header of extra block formats to compile in (csrc/formats.h's
+    PARROT_EXTRA_FORMAT_HEADER), cached by its contents."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     flags = ["-O3", "-std=c++20", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", *ISAS[isa][0],
-             *(_extensions(isa, None if extensions is True else tuple(extensions or ())))]
+             *_extensions(isa, extensions)]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     digest = hashlib.sha256(" ".join([cxx, *version, *flags]).encode())
     for path in SOURCES + ([format_header] if format_header is not None else []):
@@ -349,16 +349,16 @@ def _build(isa: str, format_header: str | None = None, extensions: bool | tuple[
 
 
 @lru_cache(maxsize=None)
-def _load(isa: str, extensions: bool | tuple[str, ...] = True) -> Kernels:
+def _load(isa: str, extensions: tuple[str, ...] | None = None) -> Kernels:
     return Kernels(isa, ctypes.CDLL(_build(isa, extensions=extensions)))
 
 
-def kernels(isa: str | None = None, *, extensions: bool | tuple[str, ...] = True) -> Kernels | None:
+def kernels(isa: str | None = None, *, extensions: tuple[str, ...] | None = None) -> Kernels | None:
     """The kernel set ``isa``, or by default the best this CPU runs and this compiler builds
     (``PARROT_KERNELS`` to pick one); None, with the reason logged, when kernels are off or none
     can be built. FormatTableMismatch when a library's formats are not quant.FORMATS.
-    ``extensions=False``: the set built without its EXTENSIONS, a tuple of /proc/cpuinfo flags:
-    with only those (tests compare them)."""
+    ``extensions``: the set built with only those of its EXTENSIONS (/proc/cpuinfo flags; ``()``
+    for none), which tests compare."""
     if isa is None:
         chosen = os.environ.get("PARROT_KERNELS", "")
         if chosen == "0":

@@ -493,19 +493,21 @@ template <class P>
 inline bytes::B2 step_pair(const uint8_t* v, int t) {
   using namespace bytes;
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-  B2 wt = bits2(vnni_pairs(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
-  if constexpr (P::VB == 5) wt = bor2(wt, fifth2(vnni_plane(v + P::LOW + 32 * (t / 8)), t % 8, true));
-  if constexpr (P::VB == 6) wt = bor2(wt, sixth2(vnni_plane(v + P::LOW + 32 * (t / 4)), t % 4, true));
-  return wt;
+  constexpr bool loaded_in_order = true;  // the loads give VNNI order (fifth2's and sixth2's `words`)
+  const auto pairs = [](const uint8_t* p) { return vnni_pairs(p); };
+  const auto plane = [](const uint8_t* p) { return vnni_plane(p); };
 #else
-  B2 wt = bits2(pairs2(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
-  if constexpr (P::VB == 5) wt = bor2(wt, fifth2(plane2(v + P::LOW + 32 * (t / 8)), t % 8));
-  if constexpr (P::VB == 6) wt = bor2(wt, sixth2(plane2(v + P::LOW + 32 * (t / 4)), t % 4));
+  constexpr bool loaded_in_order = false;
+  const auto pairs = [](const uint8_t* p) { return pairs2(p); };
+  const auto plane = [](const uint8_t* p) { return plane2(p); };
+#endif
+  B2 wt = bits2(pairs(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
+  if constexpr (P::VB == 5) wt = bor2(wt, fifth2(plane(v + P::LOW + 32 * (t / 8)), t % 8, loaded_in_order));
+  if constexpr (P::VB == 6) wt = bor2(wt, sixth2(plane(v + P::LOW + 32 * (t / 4)), t % 4, loaded_in_order));
 #if defined(__AVX512VNNI__)
-  wt = vnni_order(wt);
+  if constexpr (!loaded_in_order) wt = vnni_order(wt);
 #endif
   return wt;
-#endif
 }
 
 // The integer sums of super-block sb of a group (at blk) with MT rows of x (xa: each row's
