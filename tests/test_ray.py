@@ -197,6 +197,45 @@ def test_affinity_keys():
     assert affinity_key({}, b"") == affinity_key({}, b"not json") == ""
 
 
+class _Stream:
+    """A replica's streamed answer as the gateway sees it: chunks, then the replica is lost."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks, self.cancelled = list(chunks), False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.chunks:
+            return self.chunks.pop(0)
+        raise ray.exceptions.ActorUnavailableError("the replica was killed", None)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_a_replica_lost_mid_stream_ends_it_once_with_an_error_and_after_done_adds_nothing(ended):
+    """Lost mid-way, the client gets an error event and one [DONE]; lost after the app had sent its
+    [DONE] (the call not yet returned), the answer is whole and nothing follows its [DONE] (the
+    kill test once read two [DONE]s, the second after an error event)."""
+    import asyncio
+
+    from parrot.server.ray_app import _relay
+
+    chunk = b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n'
+    stream = _Stream([chunk, b"data: [DONE]\n\n"] if ended else [chunk])
+
+    async def read() -> bytes:
+        return b"".join([c async for c in _relay(stream, b"")])
+
+    events = [line[6:] for line in asyncio.run(read()).decode().splitlines() if line.startswith("data: ")]
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]" and stream.cancelled
+    errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+    assert [e["code"] for e in errors] == ([] if ended else ["replica_unavailable"])
+
+
 def test_plain_serve_does_not_import_ray():
     code = ("import sys, parrot.cli, parrot.server.app; from parrot.cli import build_parser; "
             "build_parser().parse_args(['serve']); assert 'ray' not in sys.modules, 'ray imported'")

@@ -171,6 +171,9 @@ class ParrotReplica:
             disconnected.set()
 
 
+_DONE = b"data: [DONE]\n\n"  # how every Parrot stream ends
+
+
 def _is_event_stream(headers: list[tuple[str, str]]) -> bool:
     return any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers)
 
@@ -184,13 +187,21 @@ def _response_headers(start: dict[str, Any], attempt: int) -> dict[str, str]:
 
 
 async def _relay(stream: Any, first: bytes) -> AsyncIterator[bytes]:
-    """A streamed answer's chunks; a replica lost mid-stream ends it with an error event."""
+    """A streamed answer's chunks; a replica lost mid-stream ends it with an error event. A replica
+    lost after its stream's ``[DONE]`` (the app had sent it all but the call had not returned yet)
+    has answered in full: nothing is added after the ``[DONE]``."""
+    tail = b""  # the stream's last bytes, to see whether it ended
     try:
         if first:
+            tail = first[-len(_DONE):]
             yield first
         async for chunk in stream:
+            tail = (tail + chunk)[-len(_DONE):]
             yield chunk
     except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.RayTaskError) as exc:
+        if tail == _DONE:
+            log.info("replica lost after its stream ended: %s", type(exc).__name__)
+            return
         log.warning("replica lost mid-stream: %s", type(exc).__name__)
         error = APIError(503, "the replica serving this stream stopped; retry", code="replica_unavailable")
         yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
