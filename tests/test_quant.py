@@ -93,6 +93,20 @@ def test_float_matrices_are_read_only_with_rows_of_whole_units_of_32():
     assert weight is not None and weight.shape == (4, 64) and torch.equal(weight.dequantize(), torch.ones(4, 64))
 
 
+def test_a_cpu_vendors_tuning_is_in_its_build_flags(monkeypatch):
+    """The avx512 set on AMD cores builds without the decoding pass's fetch into L1 (csrc/packed.h,
+    fetch_ahead); other sets and vendors keep it. A fetch changes no result, so every build
+    computes the same."""
+    from parrot.engine import kernels as module
+
+    info = {"vendor_id": "AuthenticAMD", "flags": "avx512f avx512bw avx2 fma f16c"}
+    monkeypatch.setattr(module, "_cpuinfo", lambda field: info.get(field, ""))
+    assert "-DPARROT_NEAR_FETCH=0" in module._compile_flags("avx512")
+    assert not any("NEAR_FETCH" in flag for flag in module._compile_flags("avx2"))
+    info["vendor_id"] = "GenuineIntel"
+    assert not any("NEAR_FETCH" in flag for flag in module._compile_flags("avx512"))
+
+
 def test_every_cpu_runs_the_portable_kernels():
     isas = available_isas()
     assert isas[-1] == "portable" and kernels("portable") is not None

@@ -121,12 +121,25 @@ struct XU {
 // ms (amx set), 50.0-51.2 -> 46.1-47.9 (avx2 set); passes over 2, 4 and 8 tokens 9-10%, 9-10%
 // and 6-7% faster (amx); 2 KB and 4 KB gave about the same; without the far fetch the avx2 pass
 // took 59-60 ms.
+//
+// An AMD Zen 4 is the other way round in the avx512 set, which kernels.py builds there with
+// PARROT_NEAR_FETCH=0, the far fetch alone (its avx2 set read the same either way within the
+// noise, and keeps both). On an AMD EPYC (Zen 4, avx512 set; 2026-11-28, nine interleaved pairs of
+// processes) Qwen2.5-Coder-1.5B's one-token pass at 512 tokens of context went 39.1-45.6 ->
+// 34.7-38.1 ms without the near fetch (0.78-0.96x in every pair), at 4,096 (a cache of random
+// keys and values) 45.0-51.6 -> 40.4-45.0 ms, 8 tokens at 512 0.80-1.04x (8 pairs of 9 faster
+// or equal); perf of that 8-token pass had 11% of the Q4_K tiles' samples on the prefetches.
+// Prompt chunks keep their AHEAD fetch there (a 400-token chunk 2.40-2.52 s with it, 2.60-2.87
+// without).
+#ifndef PARROT_NEAR_FETCH
+#define PARROT_NEAR_FETCH 1
+#endif
 constexpr int64_t FAR_AHEAD = 32768, NEAR_AHEAD = 1024;
 inline void fetch_ahead(const uint8_t* blk, int64_t bytes, bool far) {
   for (int64_t o = 0; o < bytes; o += 64) {
     if (far) {
       __builtin_prefetch(blk + FAR_AHEAD + o, 0, 2);
-      __builtin_prefetch(blk + NEAR_AHEAD + o);
+      if constexpr (PARROT_NEAR_FETCH) __builtin_prefetch(blk + NEAR_AHEAD + o);
     } else {
       __builtin_prefetch(blk + AHEAD + o);
     }
