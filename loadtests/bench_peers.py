@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", default="512,2048,8192", help="context depths of the pass-cost table")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--completion", action="store_true",
-                        help="plain completions of the prompts (for a GGUF without a chat template, such as Gemma 3 270M's)")
+                        help="plain completions of the prompts (chosen by itself for a GGUF without a chat template, such as Gemma 3 270M's)")
     parser.add_argument("--numerics-per-task", type=int, default=2,
                         help="prompts per task for the check against transformers float32 (0: skip)")
     parser.add_argument("--kernels", default=None, help="Parrot's kernel set (PARROT_KERNELS; default: the best this CPU runs)")
@@ -201,11 +201,15 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PARROT_KERNELS"] = args.kernels  # the Parrot server and the in-process passes
     from parrot.engine.kernels import cpu_description, kernels
     from parrot.engine.source import resolve_source
+    from parrot.gguf_file import GGUFFile
 
     from loadtests.real_models import resolve
 
     source = resolve_source(resolve(args.model) if args.model else "embedded")
     gguf = os.path.join(source.path, source.gguf_file or "")
+    if not args.completion and "tokenizer.chat_template" not in GGUFFile(gguf).fields:
+        print(f"{os.path.basename(gguf)} has no chat template: plain completions of the prompts (--completion)")
+        args.completion = True
     depths = [int(d) for d in args.depths.split(",") if d]
     llama_server, llama_bench_bin = os.environ.get("LLAMA_SERVER"), os.environ.get("LLAMA_BENCH")
     chosen = kernels()
