@@ -62,7 +62,7 @@ EXTENSIONS: dict[str, tuple[tuple[str, str], ...]] = {
 # Tuning by CPU vendor and set (/proc/cpuinfo's vendor_id; the same results): in the avx512 set on
 # AMD cores a decoding pass fetches its weights ahead into L2 only (csrc/packed.h, fetch_ahead),
 # 4-22% faster on a Zen 4, where Intel's were 6-10% faster with the fetch into L1 as well. The
-# avx2 set on that Zen 4 read the same either way within its noise, so it keeps both.
+# avx2 set on that Zen 4 showed no clear difference in its noise, so it keeps both.
 TUNING: dict[tuple[str, str], tuple[str, ...]] = {("AuthenticAMD", "avx512"): ("-DPARROT_NEAR_FETCH=0",)}
 # Block formats by their number in the library (their place in quant.FORMATS and csrc/formats.h).
 KIND = {name: i for i, name in enumerate(FORMATS)}

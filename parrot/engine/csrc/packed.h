@@ -123,11 +123,11 @@ struct XU {
 // took 59-60 ms.
 //
 // An AMD Zen 4 is the other way round in the avx512 set, which kernels.py builds there with
-// PARROT_NEAR_FETCH=0, the far fetch alone (its avx2 set read the same either way within the
+// PARROT_NEAR_FETCH=0, the far fetch alone (its avx2 set showed no clear difference in the
 // noise, and keeps both). On an AMD EPYC (Zen 4, avx512 set; 2026-11-28, nine interleaved pairs of
 // processes) Qwen2.5-Coder-1.5B's one-token pass at 512 tokens of context went 39.1-45.6 ->
 // 34.7-38.1 ms without the near fetch (0.78-0.96x in every pair), at 4,096 (a cache of random
-// keys and values) 45.0-51.6 -> 40.4-45.0 ms, 8 tokens at 512 0.80-1.04x (8 pairs of 9 faster
+// keys and values) 45.0-51.6 -> 40.4-46.8 ms, 8 tokens at 512 0.80-1.04x (8 pairs of 9 faster
 // or equal); perf of that 8-token pass had 11% of the Q4_K tiles' samples on the prefetches.
 // Prompt chunks keep their AHEAD fetch there (a 400-token chunk 2.40-2.52 s with it, 2.60-2.87
 // without).
