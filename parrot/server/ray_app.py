@@ -204,7 +204,7 @@ async def _relay(stream: Any, first: bytes) -> AsyncIterator[bytes]:
             return
         log.warning("replica lost mid-stream: %s", type(exc).__name__)
         error = APIError(503, "the replica serving this stream stopped; retry", code="replica_unavailable")
-        yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
+        yield f"data: {json.dumps(error.body())}\n\n".encode() + _DONE
     finally:
         stream.cancel()
 
