@@ -292,10 +292,27 @@ struct XK {
   std::vector<int32_t> channels, channel_at, pick_slot, slot_row;
   std::vector<float> pick_v;
   std::vector<int32_t> slot_of;  // row i's slot, -1 for a row without outliers
+#if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
+  // For kepilogue2, which scales two rows of x in one vector, by tiles of 8 rows (tiles start at
+  // rows 8 t; rows past M are zero): d8 [t][sb][8] (each row's d), pairs8 [t][sb][block][8] (a
+  // block's two sums by 32 as one int32, as hpair reads them; the formats with groups of 32). And
+  // by row, offsets [row][sb][16]: minus the sums by 16 times 32, the start of kpairs' block sums
+  // for Q6_K (the only format with groups of 16), so that q - 32 is summed, not q.
+  std::vector<float> d8;
+  std::vector<int32_t> pairs8, offsets;
+#endif
   XK(const float* x, int64_t M, int64_t K, int threads, int forms, bool fine_ = false, bool split = false)
       : supers(K / 256), fine(fine_), q(bytes_if(forms & PLAIN, M * K)), q16(bytes_if(forms & BY16, M * K)),
         q32(bytes_if(forms & BY32, M * K)), sums(M * supers * 16), sums32(M * supers * 8),
         f(fine_ ? M * supers * 8 : 0), d(M * supers) {
+#if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
+    if (!fine) {
+      const int64_t tiles = (M + 7) / 8;
+      d8.assign(tiles * supers * 8, 0.0f);
+      if (forms & BY32) pairs8.assign(tiles * supers * 4 * 8, 0);
+      if (forms & BY16) offsets.resize(M * supers * 16);
+    }
+#endif
     if (split) {
       outliers.assign(M, 0);
       out_c.resize(M * SPLIT_MAX);
@@ -323,6 +340,16 @@ struct XK {
       for (int g = 0; g < 8; ++g) sums32[at * 8 + g] = (int16_t)(sums[at * 16 + 2 * g] + sums[at * 16 + 2 * g + 1]);
       if (q16) arrange(qa, 16, &q16[at * 256]);
       if (q32) arrange(qa, 32, &q32[at * 256]);
+#if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
+      if (!fine) {
+        const int64_t i = at / supers, sb = at % supers, tile = i / 8 * supers + sb;
+        d8[tile * 8 + i % 8] = d[at];
+        if (!pairs8.empty())
+          for (int b = 0; b < 4; ++b) std::memcpy(&pairs8[(tile * 4 + b) * 8 + i % 8], &sums32[at * 8 + 2 * b], 4);
+        if (!offsets.empty())
+          for (int g = 0; g < 16; ++g) offsets[at * 16 + g] = -32 * (int32_t)sums[at * 16 + g];
+      }
+#endif
     });
   }
   const int8_t* arranged(int G) const { return G == 16 ? q16.get() : q32.get(); }
@@ -532,11 +559,14 @@ inline bytes::B2 step_pair(const uint8_t* v, int t) {
 // Xeon: 32 GB/s of packed weights from L2 on one core, 14 from memory). Qwen2.5-Coder-1.5B,
 // interleaved A/B: one-token pass 50.0-50.3 -> 44.1-45.5 ms; a 512-token chunk 4.06-4.07 s with
 // x broadcast per row, 3.58-3.68 s with the weights interleaved instead.
+//
+// Each row's sums come back unfolded (lanes 2r, 2r + 1: row r's two groups of each block). With
+// `xo` (VNNI only), each block's sums start from x's offsets (XK::offsets) instead of zero.
 template <int MT, class P, bool FINE>
-inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* const* xf, int64_t sb, bytes::S* total) {
+inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* const* xf, int64_t sb, bytes::S2* sums,
+                   const int32_t* const* xo = nullptr) {
   using namespace bytes;
   static_assert(P::S % (2 * P::FLUSH) == 0 && P::S % 4 == 0, "whole pairs of steps, flushed within a block");
-  S2 sums[MT];
   for (int i = 0; i < MT; ++i) sums[i] = szero2();
   // With VNNI: each step pair's bytes in VNNI order (simd.h's vnni_order; x is arranged so), added
   // into one int32 per row and group by `vpdpbusd` (no 16-bit sums, so no flushes), and each
@@ -564,7 +594,12 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* c
     const int8_t* xb[MT];
     for (int i = 0; i < MT; ++i) xb[i] = xa[i] + sb * 256 + b * 2 * P::G;
     Part part[MT];
-    for (int i = 0; i < MT; ++i) part[i] = part_zero();
+#if defined(__AVX512VNNI__)
+    if (xo != nullptr)
+      for (int i = 0; i < MT; ++i) part[i] = {_mm512_set1_epi64(*(const int64_t*)(xo[i] + sb * 16 + 2 * b))};
+    else
+#endif
+      for (int i = 0; i < MT; ++i) part[i] = part_zero();
 #pragma GCC unroll 8
     for (int t = 0; t < P::S; t += 2) {
       const B2 wt = step_pair<P>(v, t);
@@ -586,7 +621,6 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* c
     for (int i = 0; i < MT; ++i) sums[i] = sadd2(sums[i], smul2(part[i], FINE ? scaled[i] : scale));
 #endif
   }
-  for (int i = 0; i < MT; ++i) total[i] = fold(sums[i]);
 }
 #endif
 
@@ -700,7 +734,11 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
     if (far || row == 0) fetch_ahead(blk, P::BYTES, far);
     S total[MT];
 #if defined(PARROT_AVX512)
-    kpairs<MT, P, FINE>(blk, xa, xf, sb, total);
+    {
+      S2 sums[MT];
+      kpairs<MT, P, FINE>(blk, xa, xf, sb, sums);
+      for (int i = 0; i < MT; ++i) total[i] = fold(sums[i]);
+    }
 #else
     for (int i = 0; i < MT; ++i) total[i] = szero();
     for (int b = 0; b < P::NB; ++b) {
@@ -751,10 +789,84 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
   store_group<MT>(acc, y + row * ldy + n, ldy, valid, out, out != nullptr ? &x.slot_of[row] : nullptr);
 }
 
+#if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
+// kptile with VNNI (x not FINE): the same sums and the same float operations on each output, with
+// each super-block's scaling done for two rows of x per 512-bit vector (lane 2 r: row r's output
+// for the pair's first row of x, 2 r + 1 for its second). The scaling was a quarter of the Q4_K
+// tiles' time in a prompt chunk, in instructions more than in arithmetic: per row of x, the fold
+// of its sums to 8 lanes and back through memory, a 256-bit conversion, multiply and multiply-add,
+// and for the mins four 32-bit broadcasts, four `vpmaddwd` and three additions. Here a pair's
+// two folds meet in one blend, x's d and sums of both rows come in one 64-bit broadcast each
+// (XK's by-8-rows copies), the mins add up in `vpdpwssd`, the accumulators stay in registers, and
+// Q6_K's offsets are where its block sums start (XK::offsets), not subtracted afterwards. Sums are
+// integers, so their order does not matter; each output's floats are kptile's, in its order.
+template <int MT, class W>
+inline void kptile2(const uint8_t* group, const XK& x, int64_t row, int64_t n, int64_t valid, float* y, int64_t ldy,
+                    bool far) {
+  using namespace bytes;
+  using P = KLayout<W>;
+  static_assert(W::SHIFT == 0 || (W::SHIFT == 5 && P::G == 16), "XK::offsets are Q6_K's (q - 32, groups of 16)");
+  static_assert(!P::MIN || P::NB == 4, "XK::pairs8 holds 4 blocks (groups of 32)");
+  constexpr int PAIRS = (MT + 1) / 2;
+  const int64_t supers = x.supers;
+  const int8_t* xa[MT];
+  const int32_t* xo[MT] = {};
+  for (int i = 0; i < MT; ++i) {
+    xa[i] = x.arranged(P::G) + (row + i) * supers * 256;
+    if constexpr (W::SHIFT > 0) xo[i] = &x.offsets[(row + i) * supers * 16];
+  }
+  const auto pair_of = [](const void* p) { return _mm512_castpd_ps(_mm512_set1_pd(*(const double*)p)); };  // 2 floats, 8 times
+  const auto twice = [](__m256 v) { return _mm512_permutexvar_ps(rows_twice(), _mm512_castps256_ps512(v)); };
+  const auto row_sums = [](__m512i s) { return _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_CDAB)); };
+  const __m512i negative = _mm512_set1_epi32(INT32_MIN);  // the sign bit
+  __m512 acc[PAIRS];
+  for (int p = 0; p < PAIRS; ++p) acc[p] = _mm512_setzero_ps();
+  const int64_t tile = row / 8 * supers;  // group_tiles starts tiles at multiples of KTILE_ROWS (8)
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* blk = group + sb * P::BYTES;
+    if (far || row == 0) fetch_ahead(blk, P::BYTES, far);
+    S2 sums[MT];
+    kpairs<MT, P, false>(blk, xa, nullptr, sb, sums, W::SHIFT > 0 ? xo : nullptr);
+    const __m512 dw = twice(ghalf8(blk).v);
+    const float* xd = &x.d8[(tile + sb) * 8];
+    for (int p = 0; p < PAIRS; ++p) {
+      const __m512i first = row_sums(sums[2 * p].v);
+      const __m512i both = 2 * p + 1 < MT ? _mm512_mask_blend_epi32(0xAAAA, first, row_sums(sums[2 * p + 1].v)) : first;
+      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(dw, pair_of(xd + 2 * p)), acc[p]);
+    }
+    if constexpr (P::MIN) {
+      const __m512 dmin = twice(ghalf8(blk + 16).v);
+      __m512i mins[P::NB];  // block b's: lanes 2 r and 2 r + 1 both row r's two mins, as 16-bit words
+      for (int b = 0; b < P::NB; ++b)
+        mins[b] = _mm512_permutexvar_epi32(rows_twice(), _mm512_castsi256_si512(hbytes(blk + P::MN_AT + 16 * b).v));
+      const int32_t* xs = &x.pairs8[(tile + sb) * 4 * 8];
+      for (int p = 0; p < PAIRS; ++p) {
+        const auto sums_of = [&](int b) { return _mm512_set1_epi64(*(const int64_t*)(xs + 8 * b + 2 * p)); };
+        __m512i m = _mm512_madd_epi16(mins[0], sums_of(0));
+        for (int b = 1; b < P::NB; ++b) m = _mm512_dpwssd_epi32(m, mins[b], sums_of(b));
+        acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(dmin, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(pair_of(xd + 2 * p)), negative))), acc[p]);
+      }
+    }
+  }
+  G out_rows[PAIRS * 2];
+  const __m512i by_row = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int p = 0; p < PAIRS; ++p) {
+    const __m512 v = _mm512_permutexvar_ps(by_row, acc[p]);
+    out_rows[2 * p] = {_mm512_castps512_ps256(v)};
+    out_rows[2 * p + 1] = {_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))};
+  }
+  const float* out = !x.any_outliers ? nullptr : row == 0 ? outlier_sums<W>(group, 0, 1, 8, x) : outlier_buffer().data();
+  store_group<MT>(out_rows, y + row * ldy + n, ldy, valid, out, out != nullptr ? &x.slot_of[row] : nullptr);
+}
+#endif
+
 template <class W>
 Tiles linear_kpacked(const W& w, const uint8_t* packed, const XK& x, int64_t M, float* y, int64_t N, int64_t ldy) {
   return group_tiles<KTILE_ROWS>(packed, (w.K / 256) * KLayout<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid, bool far) {
     if (x.fine) kptile<decltype(mt)::value, W, true>(group, x, i, n, valid, y, ldy, far);
+#if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
+    else if constexpr (decltype(mt)::value >= 2) kptile2<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy, far);
+#endif
     else kptile<decltype(mt)::value, W, false>(group, x, i, n, valid, y, ldy, far);
   });
 }
