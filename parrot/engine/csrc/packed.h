@@ -152,9 +152,14 @@ template <int MT>
 inline void store_group(const bytes::G* acc, float* y, int64_t ldy, int64_t valid, const float* out = nullptr,
                         const int32_t* slots = nullptr) {
   for (int i = 0; i < MT; ++i) {
-    float lanes[8];
-    bytes::gstore(lanes, out != nullptr && slots[i] >= 0 ? bytes::gadd(acc[i], bytes::gload(out + slots[i] * 8)) : acc[i]);
-    std::memcpy(y + i * ldy, lanes, valid * sizeof(float));
+    const bytes::G sum = out != nullptr && slots[i] >= 0 ? bytes::gadd(acc[i], bytes::gload(out + slots[i] * 8)) : acc[i];
+    if (valid == 8) {  // a whole group: one store (a call to memcpy per row was 2% of a prompt chunk)
+      bytes::gstore(y + i * ldy, sum);
+    } else {
+      float lanes[8];
+      bytes::gstore(lanes, sum);
+      std::memcpy(y + i * ldy, lanes, valid * sizeof(float));
+    }
   }
 }
 
