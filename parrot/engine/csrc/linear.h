@@ -87,6 +87,11 @@ void pack_matrix(const Mat* w, uint8_t* out) {
 }
 
 constexpr int64_t PIECES = 4;
+// A call over more rows of x than one tile (a prompt chunk) is split finer: its tiles compute for
+// long on weights that stay in cache, so short pieces cost nothing in reading, and the thread that
+// finishes first waits at most one short piece for the other. With PIECES, one thread spent 3.4%
+// of a 400-token chunk's samples waiting at the end of layers (Qwen2.5-Coder-1.5B, AMD EPYC).
+constexpr int64_t PIECES_WIDE = 32;
 constexpr int Q8_FINE = 2;  // linear()'s q8 for x with multipliers per unit of 32 (below)
 
 // y = x @ W^T (+ bias) for x [M, K]; y [M, total N of the parts]. `q8`: quantise x to 8 bits
@@ -149,7 +154,7 @@ void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int 
   // file's q, k and v) cost different amounts per tile. PIECES per thread, claimed as the threads
   // come free: with one piece each, the thread that started later or read slower memory kept the
   // other waiting at the end of every layer.
-  const int64_t pieces = std::max(1, threads) * PIECES;
+  const int64_t pieces = std::max(1, threads) * (M > 8 ? PIECES_WIDE : PIECES);
   pool(threads).parallel_for(pieces, [&](int64_t id) {
     const int64_t lo = total * id / pieces, hi = total * (id + 1) / pieces;
     for (size_t i = 0; i < parts.size(); ++i) {
