@@ -233,7 +233,9 @@ def test_wide_k_quant_kernels_equal_the_avx2_steps(isa, kind, fine):
     # The AVX-512 build takes two steps of the packed K-quant layout per instruction (packed.h,
     # kpairs; with VNNI, a 32-bit sum per row and group, times the scales per block), and the amx set
     # runs K-quant layers over 32 or more rows on AMX tiles with the scales folded into the weights
-    # (Q4_K, Q5_K) or split into three digits (Q6_K; amx.h). Both sum the same integers as the avx2
+    # (Q4_K, Q5_K) or split into three digits (Q6_K; amx.h); with VNNI, tiles of 2-8 rows scale
+    # two rows of x per vector (packed.h, kptile2, Q6_K's offsets where its block sums start).
+    # All sum the same integers as the avx2
     # steps, so every output is bit for bit the avx2 build's: one row of x (decoding), tiles of
     # several, and (amx) whole and partial tiles of 16 rows and pairs of them, with 8-row groups of
     # weights not filling one. With `fine` (the LM head's rounding) every set runs packed.h's tiles:

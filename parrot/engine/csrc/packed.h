@@ -601,7 +601,11 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* c
     Part part[MT];
 #if defined(__AVX512VNNI__)
     if (xo != nullptr)
-      for (int i = 0; i < MT; ++i) part[i] = {_mm512_set1_epi64(*(const int64_t*)(xo[i] + sb * 16 + 2 * b))};
+      for (int i = 0; i < MT; ++i) {
+        int64_t pair;  // the block's two offsets, 8 times
+        std::memcpy(&pair, xo[i] + sb * 16 + 2 * b, 8);
+        part[i] = {_mm512_set1_epi64(pair)};
+      }
     else
 #endif
       for (int i = 0; i < MT; ++i) part[i] = part_zero();
@@ -820,7 +824,16 @@ inline void kptile2(const uint8_t* group, const XK& x, int64_t row, int64_t n, i
     xa[i] = x.arranged(P::G) + (row + i) * supers * 256;
     if constexpr (W::SHIFT > 0) xo[i] = &x.offsets[(row + i) * supers * 16];
   }
-  const auto pair_of = [](const void* p) { return _mm512_castpd_ps(_mm512_set1_pd(*(const double*)p)); };  // 2 floats, 8 times
+  const auto pair_of = [](const float* p) {  // 2 floats, 8 times
+    double both;
+    std::memcpy(&both, p, 8);
+    return _mm512_castpd_ps(_mm512_set1_pd(both));
+  };
+  const auto sums_of = [](const int32_t* p) {  // 2 int32, 8 times
+    int64_t both;
+    std::memcpy(&both, p, 8);
+    return _mm512_set1_epi64(both);
+  };
   const auto twice = [](__m256 v) { return _mm512_permutexvar_ps(rows_twice(), _mm512_castps256_ps512(v)); };
   const auto row_sums = [](__m512i s) { return _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_CDAB)); };
   const __m512i negative = _mm512_set1_epi32(INT32_MIN);  // the sign bit
@@ -846,9 +859,8 @@ inline void kptile2(const uint8_t* group, const XK& x, int64_t row, int64_t n, i
         mins[b] = _mm512_permutexvar_epi32(rows_twice(), _mm512_castsi256_si512(hbytes(blk + P::MN_AT + 16 * b).v));
       const int32_t* xs = &x.pairs8[(tile + sb) * 4 * 8];
       for (int p = 0; p < PAIRS; ++p) {
-        const auto sums_of = [&](int b) { return _mm512_set1_epi64(*(const int64_t*)(xs + 8 * b + 2 * p)); };
-        __m512i m = _mm512_madd_epi16(mins[0], sums_of(0));
-        for (int b = 1; b < P::NB; ++b) m = _mm512_dpwssd_epi32(m, mins[b], sums_of(b));
+        __m512i m = _mm512_madd_epi16(mins[0], sums_of(xs + 2 * p));
+        for (int b = 1; b < P::NB; ++b) m = _mm512_dpwssd_epi32(m, mins[b], sums_of(xs + 8 * b + 2 * p));
         acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(dmin, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(pair_of(xd + 2 * p)), negative))), acc[p]);
       }
     }
