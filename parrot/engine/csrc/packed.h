@@ -298,8 +298,8 @@ struct XK {
   std::vector<float> pick_v;
   std::vector<int32_t> slot_of;  // row i's slot, -1 for a row without outliers
 #if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
-  // For kepilogue2, which scales two rows of x in one vector, by tiles of 8 rows (tiles start at
-  // rows 8 t; rows past M are zero): d8 [t][sb][8] (each row's d), pairs8 [t][sb][block][8] (a
+  // For kptile2, which scales two rows of x in one vector (so only for 2 rows or more, and the
+  // tiles' forms of x), by tiles of 8 rows (tiles start at rows 8 t; rows past M are zero): d8 [t][sb][8] (each row's d), pairs8 [t][sb][block][8] (a
   // block's two sums by 32 as one int32, as hpair reads them; the formats with groups of 32). And
   // by row, offsets [row][sb][16]: minus the sums by 16 times 32, the start of kpairs' block sums
   // for Q6_K (the only format with groups of 16), so that q - 32 is summed, not q.
@@ -311,7 +311,7 @@ struct XK {
         q32(bytes_if(forms & BY32, M * K)), sums(M * supers * 16), sums32(M * supers * 8),
         f(fine_ ? M * supers * 8 : 0), d(M * supers) {
 #if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
-    if (!fine) {
+    if (!fine && M >= 2 && (forms & (BY16 | BY32))) {
       const int64_t tiles = (M + 7) / 8;
       d8.assign(tiles * supers * 8, 0.0f);
       if (forms & BY32) pairs8.assign(tiles * supers * 4 * 8, 0);
@@ -346,7 +346,7 @@ struct XK {
       if (q16) arrange(qa, 16, &q16[at * 256]);
       if (q32) arrange(qa, 32, &q32[at * 256]);
 #if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
-      if (!fine) {
+      if (!d8.empty()) {
         const int64_t i = at / supers, sb = at % supers, tile = i / 8 * supers + sb;
         d8[tile * 8 + i % 8] = d[at];
         if (!pairs8.empty())
@@ -601,11 +601,7 @@ inline void kpairs(const uint8_t* blk, const int8_t* const* xa, const int16_t* c
     Part part[MT];
 #if defined(__AVX512VNNI__)
     if (xo != nullptr)
-      for (int i = 0; i < MT; ++i) {
-        int64_t pair;  // the block's two offsets, 8 times
-        std::memcpy(&pair, xo[i] + sb * 16 + 2 * b, 8);
-        part[i] = {_mm512_set1_epi64(pair)};
-      }
+      for (int i = 0; i < MT; ++i) part[i] = {bcast8((const int8_t*)(xo[i] + sb * 16 + 2 * b)).v};  // the block's two offsets
     else
 #endif
       for (int i = 0; i < MT; ++i) part[i] = part_zero();
@@ -824,16 +820,9 @@ inline void kptile2(const uint8_t* group, const XK& x, int64_t row, int64_t n, i
     xa[i] = x.arranged(P::G) + (row + i) * supers * 256;
     if constexpr (W::SHIFT > 0) xo[i] = &x.offsets[(row + i) * supers * 16];
   }
-  const auto pair_of = [](const float* p) {  // 2 floats, 8 times
-    double both;
-    std::memcpy(&both, p, 8);
-    return _mm512_castpd_ps(_mm512_set1_pd(both));
-  };
-  const auto sums_of = [](const int32_t* p) {  // 2 int32, 8 times
-    int64_t both;
-    std::memcpy(&both, p, 8);
-    return _mm512_set1_epi64(both);
-  };
+  // 8 bytes at p (2 floats, or 2 int32), 8 times
+  const auto pair_of = [](const float* p) { return _mm512_castsi512_ps(bcast8((const int8_t*)p).v); };
+  const auto sums_of = [](const int32_t* p) { return bcast8((const int8_t*)p).v; };
   const auto twice = [](__m256 v) { return _mm512_permutexvar_ps(rows_twice(), _mm512_castps256_ps512(v)); };
   const auto row_sums = [](__m512i s) { return _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_CDAB)); };
   const __m512i negative = _mm512_set1_epi32(INT32_MIN);  // the sign bit
