@@ -89,7 +89,12 @@ def pass_costs(gguf: str, depths: list[int], sizes: list[int], steps: int = 16) 
     """Parrot's cost (ms) of one decoded token at each depth (the median of ``steps`` one-token
     passes, each appended to the cache as decoding does), and at the first depth of a pass over
     each of ``sizes`` tokens (median of 15, cropped back after each); the bytes a one-token pass
-    reads and the memory bandwidth measured here. Depths beyond the context window are None."""
+    reads and the memory bandwidth measured here. Depths beyond the context window are None.
+
+    The bandwidth is probed just before and just after each depth's passes, and that depth's
+    floor is its bytes over the mean of the two: on a shared machine the bandwidth a core gets
+    moves by a third from one minute to the next (AMD EPYC, 2 vCPUs: 20-33 GB/s in consecutive
+    reads), so a single probe at another moment could put the floor above or below the passes."""
     import torch
 
     from parrot.config import ModelConfig
@@ -99,6 +104,8 @@ def pass_costs(gguf: str, depths: list[int], sizes: list[int], steps: int = 16) 
     forward = loaded.forward
     generator = torch.Generator().manual_seed(0)
     decode: dict[int, float | None] = {}
+    probes: dict[int, list[float]] = {}  # each depth's bandwidth readings, before and after its passes
+    probe = (lambda depth: loaded.pass_report(depth)["bandwidth"]) if loaded.pass_report is not None else None
     for depth in depths:
         if depth + steps > forward.max_positions:
             decode[depth] = None
@@ -108,11 +115,14 @@ def pass_costs(gguf: str, depths: list[int], sizes: list[int], steps: int = 16) 
         for start in range(0, depth, 512):  # the prompt in chunks, as the server reads it
             forward.forward([(cache, ids[start : min(start + 512, depth)], 1 if start + 512 >= depth else 0)])
         times = []
+        before = probe(depth) if probe else None
         for token in ids[depth:]:
             begin = time.perf_counter()
             forward.forward([(cache, [token], 1)])
             times.append(time.perf_counter() - begin)
         decode[depth] = sorted(times)[len(times) // 2] * 1e3
+        if probe:
+            probes[depth] = [before, probe(depth)]
     depth = depths[0]
     ids = torch.randint(100, 20000, (depth + max(sizes),), generator=generator).tolist()
     cache = forward.new_cache(depth + max(sizes))
@@ -129,8 +139,13 @@ def pass_costs(gguf: str, depths: list[int], sizes: list[int], steps: int = 16) 
             cache.crop(depth)
         passes[n] = sorted(times)[len(times) // 2] * 1e3
     report = loaded.pass_report(depth) if loaded.pass_report is not None else {}
-    if report:  # the floor at every depth: its bytes at the bandwidth measured above
-        report["floor_ms_by_depth"] = {d: 1e3 * loaded.pass_report(d)["bytes_per_pass"] / report["bandwidth"] for d in depths}
+    if report and probes:  # the floor at every depth: its bytes at the bandwidth probed around its passes
+        bandwidth = {d: sum(readings) / len(readings) for d, readings in probes.items()}
+        report["bandwidth_probes"] = probes
+        report["floor_ms_by_depth"] = {d: 1e3 * loaded.pass_report(d)["bytes_per_pass"] / bandwidth[d] for d in probes}
+        if depth in bandwidth:  # the first depth's, for the one-token line
+            report["bandwidth"] = bandwidth[depth]
+            report["floor_ms"] = report["floor_ms_by_depth"][depth]
     return {"decode_ms": decode, "pass_ms": passes, **report}
 
 
@@ -364,7 +379,7 @@ def render(result: dict[str, Any]) -> str:
     costs = result["pass_costs"]
     parrot, llama = costs["parrot"], costs["llama_cpp"]
     lines += ["", "Cost of one decoded token by context depth (ms; decode loops on both sides; Parrot's floor: the",
-              "bytes its pass reads at that depth over the bandwidth measured with it)", "",
+              "bytes its pass reads at that depth over the bandwidth probed just before and after its passes)", "",
               "| depth | Parrot | llama.cpp | Parrot / llama.cpp | Parrot's floor | Parrot / floor |",
               "|---:|---:|---:|---:|---:|---:|"]
     for depth, ms in parrot["decode_ms"].items():
@@ -382,10 +397,14 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"| {n} | {ms:.1f} | {ms / parrot['pass_ms'][1]:.2f}x | {fmt(theirs)} | "
                      f"{fmt(theirs / one if theirs and one else None, 2)}x | {fmt(ms / theirs if theirs else None, 2)} |")
     if "floor_ms" in parrot:
+        decoded = parrot["decode_ms"].get(first, parrot["decode_ms"].get(str(first))) or parrot["pass_ms"][1]
+        probes = parrot.get("bandwidth_probes", {})
+        readings = probes.get(first, probes.get(str(first)))
         lines.append(f"\nFloor of a one-token pass at {first} tokens of context: {parrot['bytes_per_pass'] / 1e6:.0f} MB read "
                      f"(weights {parrot['weight_bytes'] / 1e6:.0f} MB + KV cache {parrot['kv_bytes'] / 1e6:.0f} MB) "
-                     f"/ {parrot['bandwidth'] / 1e9:.1f} GB/s = {parrot['floor_ms']:.1f} ms; "
-                     f"measured {parrot['pass_ms'][1]:.1f} ms ({parrot['pass_ms'][1] / parrot['floor_ms']:.2f}x the floor)")
+                     f"/ {parrot['bandwidth'] / 1e9:.1f} GB/s"
+                     + (f" (probed {' and '.join(f'{r / 1e9:.1f}' for r in readings)} GB/s around the passes)" if readings else "")
+                     + f" = {parrot['floor_ms']:.1f} ms; measured {decoded:.1f} ms ({decoded / parrot['floor_ms']:.2f}x the floor)")
     exact = result["exactness"]
     if exact["prompts"]:
         lines.append(f"Exactness: drafting on = off on {exact['identical']}/{exact['prompts']} prompts"
