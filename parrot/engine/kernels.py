@@ -59,11 +59,12 @@ ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
 # `vpermb` their loads put the weights' bytes in that order themselves (simd.h, vnni_pairs).
 EXTENSIONS: dict[str, tuple[tuple[str, str], ...]] = {
     "avx512": (("avx512_vnni", "-mavx512vnni"), ("avx512vbmi", "-mavx512vbmi"))}
-# Tuning by CPU vendor and set (/proc/cpuinfo's vendor_id; the same results): in the avx512 set on
-# AMD cores a decoding pass fetches its weights ahead into L2 only (csrc/packed.h, fetch_ahead),
-# 4-22% faster on a Zen 4, where Intel's were 6-10% faster with the fetch into L1 as well. The
-# avx2 set on that Zen 4 showed no clear difference in its noise, so it keeps both.
-TUNING: dict[tuple[str, str], tuple[str, ...]] = {("AuthenticAMD", "avx512"): ("-DPARROT_NEAR_FETCH=0",)}
+# Tuning by CPU vendor and set (/proc/cpuinfo's vendor_id; the same results): on AMD cores a
+# decoding pass fetches its weights ahead into L2 only (csrc/packed.h, fetch_ahead), where Intel's
+# were 6-10% faster with the fetch into L1 as well. On a Zen 4 the avx512 set's one-token pass was
+# 4-22% faster so, the avx2 set's (as on an EPYC whose hypervisor hides AVX-512) 43-48 -> 31-38 ms.
+TUNING: dict[tuple[str, str], tuple[str, ...]] = {("AuthenticAMD", "avx512"): ("-DPARROT_NEAR_FETCH=0",),
+                                                  ("AuthenticAMD", "avx2"): ("-DPARROT_NEAR_FETCH=0",)}
 # Block formats by their number in the library (their place in quant.FORMATS and csrc/formats.h).
 KIND = {name: i for i, name in enumerate(FORMATS)}
 

@@ -122,15 +122,17 @@ struct XU {
 // and 6-7% faster (amx); 2 KB and 4 KB gave about the same; without the far fetch the avx2 pass
 // took 59-60 ms.
 //
-// An AMD Zen 4 is the other way round in the avx512 set, which kernels.py builds there with
-// PARROT_NEAR_FETCH=0, the far fetch alone (its avx2 set showed no clear difference in the
-// noise, and keeps both). On an AMD EPYC (Zen 4, avx512 set; 2026-11-28, nine interleaved pairs of
+// An AMD Zen 4 is the other way round, and kernels.py builds the avx512 and avx2 sets there with
+// PARROT_NEAR_FETCH=0, the far fetch alone. On an AMD EPYC (Zen 4, avx512 set; 2026-11-28, nine interleaved pairs of
 // processes) Qwen2.5-Coder-1.5B's one-token pass at 512 tokens of context went 39.1-45.6 ->
 // 34.7-38.1 ms without the near fetch (0.78-0.96x in every pair), at 4,096 (a cache of random
 // keys and values) 45.0-51.6 -> 40.4-46.8 ms, 8 tokens at 512 0.80-1.04x (8 pairs of 9 faster
 // or equal); perf of that 8-token pass had 11% of the Q4_K tiles' samples on the prefetches.
 // Prompt chunks keep their AHEAD fetch there (a 400-token chunk 2.40-2.52 s with it, 2.60-2.87
-// without).
+// without). The avx2 set on the same Zen 4 (as on an EPYC whose hypervisor hides AVX-512; three
+// interleaved pairs of processes, 2026-11-28): one token at 512 43.3 / 43.2 / 42.3 -> 31.3 /
+// 34.1 / 33.4 ms, 2 tokens 0.80-0.83x, 4 tokens 0.81-1.12x, 8 tokens 0.91-1.25x (near fetch off
+// against on); then 1-7 tokens faster in three more pairs, 8 tokens 0.90-0.96x.
 #ifndef PARROT_NEAR_FETCH
 #define PARROT_NEAR_FETCH 1
 #endif
