@@ -62,7 +62,7 @@ EXTENSIONS: dict[str, tuple[tuple[str, str], ...]] = {
 # Tuning by CPU vendor and set (/proc/cpuinfo's vendor_id; the same results): on AMD cores a
 # decoding pass fetches its weights ahead into L2 only (csrc/packed.h, fetch_ahead), where Intel's
 # were 6-10% faster with the fetch into L1 as well. On a Zen 4 the avx512 set's one-token pass was
-# 4-22% faster so, the avx2 set's (as on an EPYC whose hypervisor hides AVX-512) 43-48 -> 31-38 ms.
+# 4-22% faster so, the avx2 set's (as on an EPYC whose hypervisor hides AVX-512) 42-46 -> 31-37 ms.
 TUNING: dict[tuple[str, str], tuple[str, ...]] = {("AuthenticAMD", "avx512"): ("-DPARROT_NEAR_FETCH=0",),
                                                   ("AuthenticAMD", "avx2"): ("-DPARROT_NEAR_FETCH=0",)}
 # Block formats by their number in the library (their place in quant.FORMATS and csrc/formats.h).

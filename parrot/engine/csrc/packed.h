@@ -131,8 +131,8 @@ struct XU {
 // Prompt chunks keep their AHEAD fetch there (a 400-token chunk 2.40-2.52 s with it, 2.60-2.87
 // without). The avx2 set on the same Zen 4 (as on an EPYC whose hypervisor hides AVX-512; three
 // interleaved pairs of processes, 2026-11-28): one token at 512 43.3 / 43.2 / 42.3 -> 31.3 /
-// 34.1 / 33.4 ms, 2 tokens 0.80-0.83x, 4 tokens 0.81-1.12x, 8 tokens 0.91-1.25x (near fetch off
-// against on); then 1-7 tokens faster in three more pairs, 8 tokens 0.90-0.96x.
+// 34.1 / 33.4 ms, 2 tokens 0.80-0.83x, 4 tokens 0.81-1.12x, 8 tokens 1.00-1.25x (near fetch off
+// against on); then 1-7 tokens faster in three more pairs, 8 tokens 0.81-0.96x.
 #ifndef PARROT_NEAR_FETCH
 #define PARROT_NEAR_FETCH 1
 #endif
