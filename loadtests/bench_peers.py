@@ -104,8 +104,9 @@ def pass_costs(gguf: str, depths: list[int], sizes: list[int], steps: int = 16) 
     forward = loaded.forward
     generator = torch.Generator().manual_seed(0)
     decode: dict[int, float | None] = {}
-    probes: dict[int, list[float]] = {}  # each depth's bandwidth readings, before and after its passes
-    probe = (lambda depth: loaded.pass_report(depth)["bandwidth"]) if loaded.pass_report is not None else None
+    # Each depth's pass_report taken after its passes, and its bandwidth probes before and after.
+    reports: dict[int, dict[str, Any]] = {}
+    probes: dict[int, list[float]] = {}
     for depth in depths:
         if depth + steps > forward.max_positions:
             decode[depth] = None
@@ -115,14 +116,15 @@ def pass_costs(gguf: str, depths: list[int], sizes: list[int], steps: int = 16) 
         for start in range(0, depth, 512):  # the prompt in chunks, as the server reads it
             forward.forward([(cache, ids[start : min(start + 512, depth)], 1 if start + 512 >= depth else 0)])
         times = []
-        before = probe(depth) if probe else None
+        before = loaded.pass_report(depth) if loaded.pass_report is not None else None
         for token in ids[depth:]:
             begin = time.perf_counter()
             forward.forward([(cache, [token], 1)])
             times.append(time.perf_counter() - begin)
         decode[depth] = sorted(times)[len(times) // 2] * 1e3
-        if probe:
-            probes[depth] = [before, probe(depth)]
+        if before is not None:
+            reports[depth] = loaded.pass_report(depth)
+            probes[depth] = [before["bandwidth"], reports[depth]["bandwidth"]]
     depth = depths[0]
     ids = torch.randint(100, 20000, (depth + max(sizes),), generator=generator).tolist()
     cache = forward.new_cache(depth + max(sizes))
@@ -138,14 +140,17 @@ def pass_costs(gguf: str, depths: list[int], sizes: list[int], steps: int = 16) 
             times.append(time.perf_counter() - begin)
             cache.crop(depth)
         passes[n] = sorted(times)[len(times) // 2] * 1e3
-    report = loaded.pass_report(depth) if loaded.pass_report is not None else {}
-    if report and probes:  # the floor at every depth: its bytes at the bandwidth probed around its passes
-        bandwidth = {d: sum(readings) / len(readings) for d, readings in probes.items()}
-        report["bandwidth_probes"] = probes
-        report["floor_ms_by_depth"] = {d: 1e3 * loaded.pass_report(d)["bytes_per_pass"] / bandwidth[d] for d in probes}
-        if depth in bandwidth:  # the first depth's, for the one-token line
-            report["bandwidth"] = bandwidth[depth]
-            report["floor_ms"] = report["floor_ms_by_depth"][depth]
+    if loaded.pass_report is None:
+        return {"decode_ms": decode, "pass_ms": passes}
+    # The first depth's bytes for the one-token line, and every depth's floor: its bytes at the
+    # bandwidth probed around its passes.
+    report = dict(reports[depth]) if depth in reports else loaded.pass_report(depth)
+    bandwidth = {d: sum(readings) / len(readings) for d, readings in probes.items()}
+    report["bandwidth_probes"] = probes
+    report["floor_ms_by_depth"] = {d: 1e3 * reports[d]["bytes_per_pass"] / bandwidth[d] for d in reports}
+    if depth in bandwidth:
+        report["bandwidth"] = bandwidth[depth]
+        report["floor_ms"] = report["floor_ms_by_depth"][depth]
     return {"decode_ms": decode, "pass_ms": passes, **report}
 
 
