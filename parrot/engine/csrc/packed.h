@@ -123,11 +123,11 @@ struct XU {
 // took 59-60 ms.
 //
 // An AMD Zen 4 is the other way round, and kernels.py builds the avx512 and avx2 sets there with
-// PARROT_NEAR_FETCH=0, the far fetch alone. On an AMD EPYC (Zen 4, avx512 set; 2026-11-28, nine interleaved pairs of
-// processes) Qwen2.5-Coder-1.5B's one-token pass at 512 tokens of context went 39.1-45.6 ->
-// 34.7-38.1 ms without the near fetch (0.78-0.96x in every pair), at 4,096 (a cache of random
-// keys and values) 45.0-51.6 -> 40.4-46.8 ms, 8 tokens at 512 0.80-1.04x (8 pairs of 9 faster
-// or equal); perf of that 8-token pass had 11% of the Q4_K tiles' samples on the prefetches.
+// PARROT_NEAR_FETCH=0, the far fetch alone. On an AMD EPYC (Zen 4, avx512 set; 2026-11-28, nine
+// interleaved pairs of processes) Qwen2.5-Coder-1.5B's one-token pass at 512 tokens of context
+// went 39.1-45.6 -> 34.7-38.1 ms without the near fetch (0.78-0.96x in every pair), at 4,096 (a
+// cache of random keys and values) 45.0-51.6 -> 40.4-46.8 ms, 8 tokens at 512 0.80-1.04x (8 pairs
+// of 9 faster or equal); perf of that 8-token pass had 11% of the Q4_K tiles' samples on the prefetches.
 // Prompt chunks keep their AHEAD fetch there (a 400-token chunk 2.40-2.52 s with it, 2.60-2.87
 // without). The avx2 set on the same Zen 4 (as on an EPYC whose hypervisor hides AVX-512; three
 // interleaved pairs of processes, 2026-11-28): one token at 512 43.3 / 43.2 / 42.3 -> 31.3 /
@@ -301,8 +301,8 @@ struct XK {
   std::vector<int32_t> slot_of;  // row i's slot, -1 for a row without outliers
 #if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
   // For kptile2, which scales two rows of x in one vector (so only for 2 rows or more, and the
-  // tiles' forms of x), by tiles of 8 rows (tiles start at rows 8 t; rows past M are zero): d8 [t][sb][8] (each row's d), pairs8 [t][sb][block][8] (a
-  // block's two sums by 32 as one int32, as hpair reads them; the formats with groups of 32). And
+  // tiles' forms of x), by tiles of 8 rows (tiles start at rows 8 t; rows past M are zero):
+  // d8 [t][sb][8] (each row's d), pairs8 [t][sb][block][8] (a block's two sums by 32 as one int32, as hpair reads them; the formats with groups of 32). And
   // by row, offsets [row][sb][16]: minus the sums by 16 times 32, the start of kpairs' block sums
   // for Q6_K (the only format with groups of 16), so that q - 32 is summed, not q.
   std::vector<float> d8;
