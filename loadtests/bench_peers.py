@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.bench_engine import DATA, RESULTS, machine
-from loadtests.peers import Server, logged_baseline, peer_env, resident, stream_chat
+from loadtests.peers import Server, cost_curves, logged_baseline, peer_env, resident, stream_chat
 
 TASKS = ["summarization", "context_qa", "grammar", "code_edit", "open_chat"]
 COPY_TASKS = TASKS[:4]
@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                     exact["identical"] += 1
                 else:
                     exact["different_ids"].append(row["id"])
+        info["parrot_cost_curve"] = cost_curves(parrot)
         time.sleep(1)  # the engine hands its free memory back when it goes idle: read after that
         memory["parrot_resident_after_requests"] = resident(parrot.process.pid)
         if len(servers) > 1:
@@ -410,6 +411,12 @@ def render(result: dict[str, Any]) -> str:
                      f"/ {parrot['bandwidth'] / 1e9:.1f} GB/s"
                      + (f" (probed {' and '.join(f'{r / 1e9:.1f}' for r in readings)} GB/s around the passes)" if readings else "")
                      + f" = {parrot['floor_ms']:.1f} ms; measured {decoded:.1f} ms ({decoded / parrot['floor_ms']:.2f}x the floor)")
+    curves = result.get("parrot_cost_curve") or {}
+    if curves.get("start_up") and curves.get("end"):
+        start, end = ({int(t): ms for t, ms in curves[k].items()} for k in ("start_up", "end"))
+        shown = [t for t in sorted(end) if t in start]
+        lines.append("Parrot's drafting cost curve (ms at " + "/".join(map(str, shown)) + " tokens): start-up "
+                     + " ".join(f"{start[t]:.0f}" for t in shown) + ", after the run " + " ".join(f"{end[t]:.0f}" for t in shown))
     exact = result["exactness"]
     if exact["prompts"]:
         lines.append(f"Exactness: drafting on = off on {exact['identical']}/{exact['prompts']} prompts"

@@ -67,6 +67,25 @@ def logged_baseline(server: Server) -> int | None:
     return int(found.group(1)) * 2**20 if found else None
 
 
+def cost_curves(server: Server) -> dict[str, dict[int, float]]:
+    """The Parrot server's drafting cost curve (ms by tokens of a pass): as measured at start-up
+    (its log) and as it stands now (``parrot_pass_cost_seconds`` in /metrics, kept current from
+    the passes served; 1, 2, 4, 8, 16 and 17 tokens)."""
+    curves: dict[str, dict[int, float]] = {}
+    with open(server.log.name) as f:
+        found = re.search(r"forward cost for 1\.\.\d+ tokens \(ms\): ([\d ]+)", f.read())
+    if found:
+        curves["start_up"] = {t: float(ms) for t, ms in enumerate(found.group(1).split(), 1)}
+    now = {}
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        metric = re.match(r'parrot_pass_cost_seconds\{tokens="(\d+)"\} (\S+)', line)
+        if metric:
+            now[int(metric.group(1))] = float(metric.group(2)) * 1e3
+    if now:
+        curves["end"] = now
+    return curves
+
+
 def resident(pid: int) -> int:
     """Resident memory (VmRSS) of process ``pid``, bytes; 0 where /proc is not there."""
     try:

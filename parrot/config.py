@@ -47,6 +47,7 @@ class DraftingConfig:
     max_draft: int = 16
     threshold: float = 0.1
     adaptive: bool = True
+    track_cost: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("drafting.method", self.method, drafter_methods())

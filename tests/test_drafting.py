@@ -317,6 +317,49 @@ def test_policy_cost_beyond_the_measured_curve_is_linear():
     assert policy.cost_at(0) == cost[1]
 
 
+def test_policy_cost_curve_follows_the_passes_it_observes():
+    """A curve measured under load (multi-token passes made to look twice as dear): the passes
+    the server runs bring it back, through lengths never observed too, and drafting resumes."""
+    true = [0.0] + [1.0 + 0.1 * (t - 1) for t in range(1, 18)]
+    startup = [0.0] + [c * (1.0 if t == 1 else 3.0) for t, c in enumerate(true[1:], 1)]
+    policy = DraftLengthPolicy(startup)
+    assert policy.choose(16, a1=0.8, an=0.8) == 0  # every draft looks dear
+    for t in (1, 2):
+        for _ in range(DraftLengthPolicy.SEEN - 1):
+            policy.observe(t, true[t])
+            assert policy.cost == startup  # not before SEEN passes of a length
+    for t in (1, 2):
+        policy.observe(t, true[t])
+    assert policy.cost[1] == pytest.approx(true[1]) and policy.cost[2] == pytest.approx(true[2])
+    # Past the longest length seen, its ratio (here a third) is held: 8 tokens at a third of their start-up time.
+    assert policy.cost[8] == pytest.approx(startup[8] / 3)
+    assert policy.choose(16, a1=0.8, an=0.8) > 0
+    for _ in range(DraftLengthPolicy.SEEN):
+        policy.observe(17, startup[17] / 2)
+    w = (8 - 2) / (17 - 2)  # between two lengths seen, the ratio is interpolated
+    assert policy.cost[8] == pytest.approx(startup[8] * ((1 - w) / 3 + w / 2))
+    assert all(a <= b for a, b in zip(policy.cost[1:], policy.cost[2:]))
+
+
+def test_policy_cost_tracks_a_low_quantile():
+    """Once seen, a length's estimate drops fast to a faster pass and rises slowly to slower ones
+    (a neighbour's burst), and follows a lasting change."""
+    policy = DraftLengthPolicy([0.0, 1.0, 1.2])
+    for _ in range(DraftLengthPolicy.SEEN):
+        policy.observe(1, 1.0)
+    policy.observe(1, 3.0)  # one pass slowed by a neighbour
+    assert policy.cost[1] < 1.1
+    for _ in range(100):  # every pass 1.5x slower for good
+        policy.observe(1, 1.5)
+    assert policy.cost[1] == pytest.approx(1.5, rel=0.05)
+    policy.observe(1, 1.0)  # faster: a quarter of the way at once
+    assert policy.cost[1] == pytest.approx(1.5 - 0.25 * 0.5, rel=0.05)
+    policy.observe(0, 1.0)
+    policy.observe(3, 1.0)  # beyond the curve: ignored
+    policy.observe(2, 0.0)
+    assert policy.observed_passes == DraftLengthPolicy.SEEN + 102
+
+
 def test_acceptance_stats_follow_observations():
     stats = AcceptanceStats()
     for _ in range(30):

@@ -472,6 +472,30 @@ def test_an_injected_draft_sizer_cuts_the_drafts():
     assert positions == sorted(set(positions)) and positions[0] >= len(prompt)
 
 
+def test_decoding_passes_keep_the_cost_curve_current_and_prompt_passes_do_not():
+    """With ``track_cost`` every decoding pass reports its rows (pending token + drafts) and time
+    to the policy; the pass that reads the prompt does not. Greedy output stays the same."""
+    prompt = _prompt(4)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    engine = tiny_engine("native", DraftingConfig(max_draft=8))
+    plain = _generate(engine, prompt, params, spec=False)
+    assert engine.policy is not None and not engine.track_cost
+    _generate(engine, prompt, params, context=[plain.token_ids])
+    assert engine.policy.observed_passes == 0  # off unless asked for (a curve given is kept)
+    engine.track_cost = True
+    observed: list[tuple[int, float]] = []
+    observe = engine.policy.observe
+    engine.policy.observe = lambda tokens, seconds: (observed.append((tokens, seconds)), observe(tokens, seconds))
+    spec = _generate(engine, prompt, params, context=[plain.token_ids])
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.accepted_tokens > 20
+    assert len(observed) == spec.stats.forward_passes - 1  # all but the prompt's pass
+    assert sum(tokens for tokens, _ in observed) == len(observed) + spec.stats.drafted_tokens
+    assert max(tokens for tokens, _ in observed) > 1 and all(seconds > 0 for _, seconds in observed)
+    # The synthetic curve (1 s a pass) has given way to the tiny model's milliseconds.
+    assert engine.policy.cost[1] < 0.5
+
+
 def test_step_outputs_carry_the_finish_reason_and_a_stats_snapshot():
     engine = tiny_engine("native", FORCED)
     prompt = _prompt(5)

@@ -282,6 +282,15 @@ def test_metrics_parse_and_counters_move(http_server, client):
     assert _metric(url, "parrot_requests_total", endpoint="/v1/chat/completions", status="200") == requests_before + 1
 
 
+
+def test_metrics_give_the_draft_policy_pass_cost_curve(http_server, embedded_engine):
+    costs = {int(s.labels["tokens"]): s.value for f in text_string_to_metric_families(httpx.get(http_server.url + "/metrics").text)
+             for s in f.samples if s.name == "parrot_pass_cost_seconds"}
+    last = len(embedded_engine.policy.cost) - 1
+    assert sorted(costs) == [1, 2, 4, 8, 16, last]
+    assert all(costs[t] == pytest.approx(embedded_engine.policy.cost[t]) for t in costs)
+
+
 def test_inference_gateway_metrics_follow_a_running_request(http_server):
     """The model-server protocol's gauges (parrot/server/metrics.py): queued and running requests, and
     the KV positions held over max_running context windows, while a stream runs and after."""

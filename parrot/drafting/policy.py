@@ -1,7 +1,8 @@
 """How many draft tokens to verify: the length that maximises expected tokens per second.
 
 Verifying k drafts costs one forward pass over k+1 tokens, ``cost[k+1]`` seconds, measured at
-start-up on the actual hardware (the curve is flat on some machines and steep on others). The
+start-up on the actual hardware (the curve is flat on some machines and steep on others) and
+kept up to date from the passes the server runs (``DraftLengthPolicy.observe``). The
 pass yields 1 + (number of drafts accepted) tokens. With
 
 - ``a1``: the probability that the first draft token is accepted, and
@@ -121,18 +122,77 @@ def expected_yield(k: int, a1: float, an: float) -> float:
 
 
 class DraftLengthPolicy:
-    """Chooses draft lengths from a measured cost curve and the requests' acceptance stats."""
+    """Chooses draft lengths from a measured cost curve and the requests' acceptance stats.
+
+    The start-up curve is a few seconds' measurement. A neighbour busy in those seconds, or a
+    machine whose passes cost otherwise once it serves (deeper contexts, several requests, a
+    warmer or colder cache), would set the drafting for the server's whole life. So the engine
+    reports the time of every decoding pass (``observe``), and the curve follows them: each
+    length keeps a low quantile of its recent passes (the minimum of its first few, then a
+    tracker; a pass slowed by a neighbour only ever takes longer, which is why the start-up
+    points are minima too), and the curve is the
+    start-up curve times, at each length, the ratio of that quantile to the start-up time,
+    interpolated between lengths that have been seen and held flat past them. The policy only
+    sees the lengths it chooses, so a length made to look dear at start-up is corrected through
+    its neighbours: cheaper 4-token passes lower the 8-token estimate, which lets 6 and 8 be
+    tried and seen.
+    """
+
+    # A length's estimate moves this far towards a pass that took less time, and this far towards
+    # one that took more: it settles near the 10th percentile of its passes' times, and a
+    # lasting change (a neighbour starting or stopping) moves it within some tens of passes.
+    DOWN, UP = 0.25, 0.025
+    SEEN = 4  # passes of a length whose minimum replaces its start-up time
 
     def __init__(self, cost: Sequence[float]) -> None:
         """``cost[t]`` = seconds of one forward pass over t tokens, for t = 1..len(cost)-1."""
         if len(cost) < 2 or any(c <= 0 for c in cost[1:]):
             raise ValueError("cost curve needs positive costs for 1.. tokens")
-        self.cost = list(cost)
+        self.startup = list(cost)
+        self._estimate = list(cost)
+        self._passes = [0] * len(cost)
+        self._set_curve(list(cost))
+
+    def _set_curve(self, cost: list[float]) -> None:
+        self.cost = cost
         last = len(self.cost) - 1
         # Beyond the measured tokens a pass grows linearly (the weights are read once either way;
         # every extra row adds the same arithmetic): continue the slope of the curve's last half.
         first = max(1, last // 2)
         self._slope = (self.cost[last] - self.cost[first]) / (last - first) if last > first else self.cost[last]
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A decoding pass over ``tokens`` rows took ``seconds``: update the curve (passes longer
+        than the curve measured, or of no time, are ignored)."""
+        if not 1 <= tokens < len(self.cost) or not seconds > 0:
+            return
+        passes = self._passes[tokens] = self._passes[tokens] + 1
+        estimate = self._estimate[tokens]
+        if passes <= self.SEEN:  # the first passes' minimum, as the start-up measurement takes one
+            self._estimate[tokens] = seconds if passes == 1 else min(estimate, seconds)
+        else:
+            self._estimate[tokens] = estimate + (self.DOWN if seconds < estimate else self.UP) * (seconds - estimate)
+        if self._passes[tokens] >= self.SEEN:
+            self._set_curve(self._refreshed())
+
+    @property
+    def observed_passes(self) -> int:
+        return sum(self._passes)
+
+    def _refreshed(self) -> list[float]:
+        """The start-up curve scaled by the observed/start-up ratios (see the class docstring)."""
+        last = len(self.startup) - 1
+        seen = [t for t in range(1, last + 1) if self._passes[t] >= self.SEEN]
+        ratio = {t: self._estimate[t] / self.startup[t] for t in seen}
+        cost = [0.0] * (last + 1)
+        for t in range(1, last + 1):
+            below = max((s for s in seen if s <= t), default=seen[0])
+            above = min((s for s in seen if s >= t), default=seen[-1])
+            w = (t - below) / (above - below) if above > below else 0.0
+            cost[t] = self.startup[t] * (ratio[below] * (1 - w) + ratio[above] * w)
+        for t in range(2, last + 1):  # a longer pass never costs less
+            cost[t] = max(cost[t], cost[t - 1])
+        return cost
 
     @property
     def max_draft(self) -> int:

@@ -45,7 +45,8 @@ def build_engine(config: Config) -> tuple[LoadedModel, Engine]:
     _log_floor(loaded, cost)
     release_free_memory()  # the cost curve's cache and passes
     engine = Engine(loaded.forward, loaded.tokenizer, drafting, cost, config.server.prefill_chunk,
-                    config.server.prefill_chunk_busy, prefix_cache=new_prefix_cache(config, loaded))
+                    config.server.prefill_chunk_busy, prefix_cache=new_prefix_cache(config, loaded),
+                    track_cost=drafting.track_cost)
     return loaded, engine
 
 

@@ -33,7 +33,9 @@ def measure_cost_curve(forward: Any, max_tokens: int, context: int = 512, repeat
         for t in points:
             tokens = (prompt * (t // len(prompt) + 1))[:t]
             begin = time.perf_counter()
-            forward.forward([(cache, tokens, t)])
+            logits = forward.forward([(cache, tokens, t)])
+            if logits and logits[0].is_cuda:  # a GPU's calls return before the work is done
+                torch.cuda.synchronize(logits[0].device)
             measured[t] = min(measured[t], time.perf_counter() - begin)
             cache.crop(context)
     cost = [0.0] * (max_tokens + 1)

@@ -146,6 +146,13 @@ def _unpack_masks(masks: list[bytes], width: int) -> torch.Tensor:
     return allowed
 
 
+def _wait_for(tensors: Sequence[torch.Tensor]) -> None:
+    """Return once a GPU has computed ``tensors`` (its calls return before), so that a pass's time
+    is its time; the next step would wait for them anyway."""
+    if tensors and tensors[0].is_cuda:
+        torch.cuda.synchronize(tensors[0].device)
+
+
 class Engine:
     """Speculative decoding over a loaded model. Not thread-safe: one thread drives ``step``."""
 
@@ -160,14 +167,18 @@ class Engine:
         *,
         sizer: DraftSizer | None = None,
         prefix_cache: PrefixCache | None = None,
+        track_cost: bool = False,
     ) -> None:
         """``cost_curve``: seconds of a pass over 1.. tokens (``costmodel.measure_cost_curve``);
         adaptive drafting needs it, and drafts never exceed what it measured. ``sizer`` cuts the
         drafts of each pass; by default the ``DraftLengthPolicy`` of the cost curve when
         drafting is adaptive, else none (every draft is verified whole). ``prefix_cache``: KV
         blocks to reuse across requests; the forward must have an exact ``kv_layout`` equal to
-        the cache's."""
+        the cache's. ``track_cost``: keep the policy's cost curve current from the times of the
+        decoding passes (``DraftLengthPolicy.observe``); off, a given curve is used as it is (tests
+        and benchmarks that fix one). ``build_engine`` sets it from ``drafting.track_cost``."""
         self.forward = forward
+        self.track_cost = track_cost
         self.tokenizer = tokenizer
         self.drafting = drafting
         self.max_draft = drafting.max_draft if drafting.enabled else 0
@@ -393,7 +404,12 @@ class Engine:
         for seq, length in zip(running, cached):
             # Every token of the sequence is in its cache except the pending ones.
             assert length + len(seq.pending) == len(seq.request.prompt_ids) + len(seq.output_ids)
+        begin = time.perf_counter()
         logits = self.forward.forward([(s.cache, p.tokens, p.prompt_rows + p.num_logits) for s, p in zip(running, plans)])
+        _wait_for(logits)
+        if self.track_cost and self.policy is not None and all(len(seq.pending) == 1 for seq in running):
+            # A decoding pass (no prompt in it): its time keeps the drafting's cost curve current.
+            self.policy.observe(sum(len(p.tokens) for p in plans), time.perf_counter() - begin)
         assert len(logits) == len(plans)
         for seq, plan, rows, before in zip(running, plans, logits, cached):
             expected = (plan.prompt_rows + plan.num_logits, self.forward.vocab_size)

@@ -131,6 +131,7 @@ def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
         state.metrics.model_loaded.set(1)
         state.metrics.kv_capacity = config.server.max_running * engine.forward.max_positions
         state.metrics.watch_prefix_cache(engine.prefix_cache)
+        state.metrics.watch_cost_curve(engine.policy)
         log.info("ready: serving %s", loaded.name)
         scheduler.run()
 

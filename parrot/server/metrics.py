@@ -21,7 +21,8 @@ The prefix cache (``parrot/engine/prefix_cache.py``): ``parrot:prefix_cache_quer
 ``parrot:prefix_cache_hits_total``, prompt tokens looked up and found (vLLM's
 ``prefix_cache_queries`` / ``prefix_cache_hits``; their ratio is the hit rate), counted at each
 request's first token; and the gauges ``parrot:prefix_cache_blocks``, ``_bytes``,
-``_budget_bytes`` and ``_evicted_blocks``.
+``_budget_bytes`` and ``_evicted_blocks``. ``parrot_pass_cost_seconds{tokens}``: the draft
+length policy's pass-cost curve at each scrape.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from parrot.drafting import DraftLengthPolicy
 from parrot.engine.interface import SPECULATION_COUNTERS, StepOutput
 from parrot.engine.prefix_cache import PrefixCache
 from parrot.engine.scheduler import OutputLatency, RequestHandle
@@ -80,6 +82,17 @@ class Metrics:
         self.prefix_bytes.set_function(lambda: cache.stats().bytes)
         self.prefix_budget.set_function(lambda: cache.budget_bytes)
         self.prefix_evictions.set_function(lambda: cache.evicted_blocks)
+
+    def watch_cost_curve(self, policy: DraftLengthPolicy | None) -> None:
+        """The drafting's pass-cost curve as it stands at each scrape (``drafting.track_cost``
+        keeps it current), at 1, 2, 4, 8, 16 tokens and the longest it holds."""
+        if policy is None:
+            return
+        gauge = Gauge("parrot_pass_cost_seconds", "Seconds of a forward pass over `tokens` rows, as the draft "
+                      "length policy estimates it", ["tokens"], registry=self.registry)
+        last = len(policy.cost) - 1
+        for tokens in sorted({t for t in (1, 2, 4, 8, 16) if t <= last} | {last}):
+            gauge.labels(tokens=str(tokens)).set_function(lambda t=tokens: policy.cost[t])
 
     # Observer hooks (engine thread) ---------------------------------------------------------
 
