@@ -318,27 +318,48 @@ def test_policy_cost_beyond_the_measured_curve_is_linear():
 
 
 def test_policy_cost_curve_follows_the_passes_it_observes():
-    """A curve measured under load (multi-token passes made to look twice as dear): the passes
-    the server runs bring it back, through lengths never observed too, and drafting resumes."""
+    """A curve measured under load (multi-token passes made to look three times as dear): the
+    passes the server runs bring it back, through lengths never observed too, and drafting resumes."""
     true = [0.0] + [1.0 + 0.1 * (t - 1) for t in range(1, 18)]
     startup = [0.0] + [c * (1.0 if t == 1 else 3.0) for t, c in enumerate(true[1:], 1)]
     policy = DraftLengthPolicy(startup)
     assert policy.choose(16, a1=0.8, an=0.8) == 0  # every draft looks dear
-    for t in (1, 2):
-        for _ in range(DraftLengthPolicy.SEEN - 1):
-            policy.observe(t, true[t])
-            assert policy.cost == startup  # not before SEEN passes of a length
-    for t in (1, 2):
-        policy.observe(t, true[t])
-    assert policy.cost[1] == pytest.approx(true[1]) and policy.cost[2] == pytest.approx(true[2])
-    # Past the longest length seen, its ratio (here a third) is held: 8 tokens at a third of their start-up time.
-    assert policy.cost[8] == pytest.approx(startup[8] / 3)
+    for _ in range(DraftLengthPolicy.SEEN - 1):
+        policy.observe(2, true[2])
+        assert policy.cost == startup  # not before SEEN passes of a length
+    policy.observe(2, true[2])
+    assert policy.cost[2] == pytest.approx(true[2])
+    # With one length seen, its ratio (here a third) is held on both sides: the same shape.
+    assert policy.cost[1] == pytest.approx(startup[1] / 3) and policy.cost[8] == pytest.approx(startup[8] / 3)
+    assert policy.choose(16, a1=0.8, an=0.8) == 0
+    for _ in range(DraftLengthPolicy.SEEN):
+        policy.observe(1, true[1])
+    assert policy.cost[1] == pytest.approx(true[1]) and policy.cost[8] == pytest.approx(true[8])
     assert policy.choose(16, a1=0.8, an=0.8) > 0
     for _ in range(DraftLengthPolicy.SEEN):
         policy.observe(17, startup[17] / 2)
     w = (8 - 2) / (17 - 2)  # between two lengths seen, the ratio is interpolated
     assert policy.cost[8] == pytest.approx(startup[8] * ((1 - w) / 3 + w / 2))
     assert all(a <= b for a, b in zip(policy.cost[1:], policy.cost[2:]))
+
+
+def test_policy_tries_a_length_the_start_up_made_dear():
+    """Start-up measured 3 tokens and more 1.5x dear, 1 and 2 right (a steep curve, where that
+    makes one draft a pass look best for good): past the lengths seen the curve follows the line
+    through the two longest, so longer drafts get tried; once seen, their real cost holds."""
+    true = [0.0, 1.0, 1.1, 1.4, 1.7, 2.0, 2.3, 2.6, 2.9, 3.2]
+    startup = [0.0, 1.0, 1.1] + [c * 1.5 for c in true[3:]]
+    policy = DraftLengthPolicy(startup)
+    assert policy.choose(8, a1=0.95, an=0.95) == 1
+    for _ in range(DraftLengthPolicy.SEEN):
+        policy.observe(1, true[1])
+        policy.observe(2, true[2])
+    assert policy.cost[5] == pytest.approx(1.1 + 3 * 0.1)  # the line through 1 and 2 tokens
+    assert policy.choose(8, a1=0.95, an=0.95) > 1
+    for _ in range(DraftLengthPolicy.SEEN):
+        policy.observe(5, true[5])
+    assert policy.cost[5] == pytest.approx(true[5]) and policy.cost[3] > true[2]
+    assert policy.cost[9] == pytest.approx(true[5] + 4 * (true[5] - true[2]) / 3)
 
 
 def test_policy_cost_tracks_a_low_quantile():
