@@ -135,9 +135,9 @@ class DraftLengthPolicy:
     interpolated between lengths that have been seen and held flat past them.
 
     The policy only sees the lengths it chooses. On a steep curve (the avx2 kernels on an AMD
-    Zen 4: 2 tokens 1.1x one, 4 tokens 1.7x, 8 tokens 2.8x), a start-up that measured 3 tokens
-    15% dear made a server verify a single draft per pass for its whole life, on code edits whose
-    drafts were accepted 63 times of 64. So past the longest length seen the curve is at most the
+    Zen 4: 2 tokens 1.1x one, 4 tokens 1.7x, 8 tokens 2.8x), one bench run's server verified a
+    single draft per pass for its whole life, on code edits whose drafts were accepted 63 times of
+    64 (a start-up that measured 3 tokens and more some 15% dear is enough for that). So past the longest length seen the curve is at most the
     line through the two longest: where nothing has been seen it is optimistic, the next length
     gets tried, and what it is seen to cost replaces the guess.
     """
