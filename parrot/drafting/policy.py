@@ -130,16 +130,17 @@ class DraftLengthPolicy:
     reports the time of every decoding pass (``observe``), and the curve follows them: each
     length keeps a low quantile of its recent passes (the minimum of its first few, then a
     tracker; a pass slowed by a neighbour only ever takes longer, which is why the start-up
-    points are minima too), and the curve is the
-    start-up curve times, at each length, the ratio of that quantile to the start-up time,
-    interpolated between lengths that have been seen and held flat past them.
+    points are minima too), and the curve is the start-up curve times, at each length, the ratio
+    of that quantile to the start-up time, interpolated between lengths that have been seen and
+    held flat past them.
 
     The policy only sees the lengths it chooses. On a steep curve (the avx2 kernels on an AMD
     Zen 4: 2 tokens 1.1x one, 4 tokens 1.7x, 8 tokens 2.8x), one bench run's server verified a
-    single draft per pass for its whole life, on code edits whose drafts were accepted 63 times of
-    64 (a start-up that measured 3 tokens and more some 15% dear is enough for that). So past the longest length seen the curve is at most the
-    line through the two longest: where nothing has been seen it is optimistic, the next length
-    gets tried, and what it is seen to cost replaces the guess.
+    single draft per pass for its whole life, on code edits whose drafts were accepted 63 times
+    of 64 (a start-up that measured 3 tokens and more some 15% dear is enough for that). So past
+    the longest length seen the curve is at most the line through the two longest: where nothing
+    has been seen it is optimistic, the next length gets tried, and what it is seen to cost
+    replaces the guess.
     """
 
     # A length's estimate moves this far towards a pass that took less time, and this far towards
