@@ -492,8 +492,8 @@ def test_decoding_passes_keep_the_cost_curve_current_and_prompt_passes_do_not():
     assert len(observed) == spec.stats.forward_passes - 1  # all but the prompt's pass
     assert sum(tokens for tokens, _ in observed) == len(observed) + spec.stats.drafted_tokens
     assert max(tokens for tokens, _ in observed) > 1 and all(seconds > 0 for _, seconds in observed)
-    # The synthetic curve (1 s a pass) has given way to the tiny model's milliseconds.
-    assert engine.policy.cost[1] < 0.5
+    # The synthetic curve has given way to the times observed (no bound on them: no timed assertions).
+    assert engine.policy.cost != engine.policy.startup
 
 
 def test_step_outputs_carry_the_finish_reason_and_a_stats_snapshot():
