@@ -282,7 +282,6 @@ def test_metrics_parse_and_counters_move(http_server, client):
     assert _metric(url, "parrot_requests_total", endpoint="/v1/chat/completions", status="200") == requests_before + 1
 
 
-
 def test_metrics_give_the_draft_policy_pass_cost_curve(http_server, embedded_engine):
     costs = {int(s.labels["tokens"]): s.value for f in text_string_to_metric_families(httpx.get(http_server.url + "/metrics").text)
              for s in f.samples if s.name == "parrot_pass_cost_seconds"}

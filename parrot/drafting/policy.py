@@ -177,7 +177,7 @@ class DraftLengthPolicy:
             self._estimate[tokens] = seconds if passes == 1 else min(estimate, seconds)
         else:
             self._estimate[tokens] = estimate + (self.DOWN if seconds < estimate else self.UP) * (seconds - estimate)
-        if self._passes[tokens] >= self.SEEN:
+        if passes >= self.SEEN:
             self._set_curve(self._refreshed())
 
     @property
@@ -189,12 +189,11 @@ class DraftLengthPolicy:
         last = len(self.startup) - 1
         seen = [t for t in range(1, last + 1) if self._passes[t] >= self.SEEN]
         ratio = {t: self._estimate[t] / self.startup[t] for t in seen}
-        cost = [0.0] * (last + 1)
-        for t in range(1, last + 1):
-            below = max((s for s in seen if s <= t), default=seen[0])
-            above = min((s for s in seen if s >= t), default=seen[-1])
-            w = (t - below) / (above - below) if above > below else 0.0
-            cost[t] = self.startup[t] * (ratio[below] * (1 - w) + ratio[above] * w)
+        scale = [ratio[seen[0]]] * seen[0] + [ratio[seen[-1]]] * (last + 1 - seen[0])  # flat outside
+        for a, b in zip(seen, seen[1:]):
+            for t in range(a, b):
+                scale[t] = ratio[a] + (ratio[b] - ratio[a]) * (t - a) / (b - a)
+        cost = [0.0] + [self.startup[t] * scale[t] for t in range(1, last + 1)]
         if len(seen) >= 2:
             # Past the longest length seen, at most the line through the two longest: optimism
             # where nothing has been seen, so that a length made dear by the start-up gets tried

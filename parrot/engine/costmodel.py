@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+
+def wait_for(tensors: Sequence[torch.Tensor]) -> None:
+    """Return once a GPU has computed ``tensors`` (its calls return before the work is done), so
+    that a pass's time is its time; on a CPU they are done already."""
+    if tensors and tensors[0].is_cuda:
+        torch.cuda.synchronize(tensors[0].device)
 
 
 def measure_cost_curve(forward: Any, max_tokens: int, context: int = 512, repeats: int = 9) -> list[float]:
@@ -33,9 +41,7 @@ def measure_cost_curve(forward: Any, max_tokens: int, context: int = 512, repeat
         for t in points:
             tokens = (prompt * (t // len(prompt) + 1))[:t]
             begin = time.perf_counter()
-            logits = forward.forward([(cache, tokens, t)])
-            if logits and logits[0].is_cuda:  # a GPU's calls return before the work is done
-                torch.cuda.synchronize(logits[0].device)
+            wait_for(forward.forward([(cache, tokens, t)]))
             measured[t] = min(measured[t], time.perf_counter() - begin)
             cache.crop(context)
     cost = [0.0] * (max_tokens + 1)

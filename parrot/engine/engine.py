@@ -45,6 +45,7 @@ from parrot.drafting import (
 )
 from parrot.config import DraftingConfig
 from parrot.engine.backend import Forward, KVCache, TensorKVCache
+from parrot.engine.costmodel import wait_for
 from parrot.engine.errors import ContextWindowExceeded, EmptyPrompt
 from parrot.engine.interface import (
     FinishReason,
@@ -144,13 +145,6 @@ def _unpack_masks(masks: list[bytes], width: int) -> torch.Tensor:
     if allowed.shape[1] < width:  # logits wider than the tokenizer's vocabulary: padding ids
         allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]), value=False)
     return allowed
-
-
-def _wait_for(tensors: Sequence[torch.Tensor]) -> None:
-    """Return once a GPU has computed ``tensors`` (its calls return before), so that a pass's time
-    is its time; the next step would wait for them anyway."""
-    if tensors and tensors[0].is_cuda:
-        torch.cuda.synchronize(tensors[0].device)
 
 
 class Engine:
@@ -406,7 +400,7 @@ class Engine:
             assert length + len(seq.pending) == len(seq.request.prompt_ids) + len(seq.output_ids)
         begin = time.perf_counter()
         logits = self.forward.forward([(s.cache, p.tokens, p.prompt_rows + p.num_logits) for s, p in zip(running, plans)])
-        _wait_for(logits)
+        wait_for(logits)  # a GPU's pass timed to its end (the next step would wait for it anyway)
         if self.track_cost and self.policy is not None and all(len(seq.pending) == 1 for seq in running):
             # A decoding pass (no prompt in it): its time keeps the drafting's cost curve current.
             self.policy.observe(sum(len(p.tokens) for p in plans), time.perf_counter() - begin)
