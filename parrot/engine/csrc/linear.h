@@ -154,9 +154,21 @@ void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int 
   // file's q, k and v) cost different amounts per tile. PIECES per thread, claimed as the threads
   // come free: with one piece each, the thread that started later or read slower memory kept the
   // other waiting at the end of every layer.
-  const int64_t pieces = std::max(1, threads) * (M > 8 ? PIECES_WIDE : PIECES);
+  //
+  // Passes whose rows fit one tile (decoding, verifying drafts) read every weight from memory:
+  // their pieces taper, each round of one piece per thread half the size of the round before
+  // (the last round the size of the one before it), so that the thread that finishes first waits
+  // at most a short piece, while most of the layer is read in long contiguous runs.
+  const int64_t T = std::max(1, threads), pieces = T * (M > 8 ? PIECES_WIDE : PIECES), rounds = pieces / T;
+  const auto weight = [&](int64_t id) -> int64_t {  // piece id's share: 8, 4, 2, 2 per thread with PIECES = 4
+    return M > 8 ? 1 : int64_t(1) << (rounds - 1 - std::min(id / T, rounds - 2));
+  };
+  int64_t sum = 0;
+  for (int64_t id = 0; id < pieces; ++id) sum += weight(id);
+  std::vector<int64_t> edge(pieces + 1, total);  // piece id covers cost units [edge[id], edge[id + 1])
+  for (int64_t id = 0, at = 0; id < pieces; at += weight(id), ++id) edge[id] = total * at / sum;
   pool(threads).parallel_for(pieces, [&](int64_t id) {
-    const int64_t lo = total * id / pieces, hi = total * (id + 1) / pieces;
+    const int64_t lo = edge[id], hi = edge[id + 1];
     for (size_t i = 0; i < parts.size(); ++i) {
       // Tile t of part i starts at first[i] + t bytes[i]; it is this thread's if that is in [lo, hi).
       const auto from = [&](int64_t at) { return std::clamp<int64_t>((at - first[i] + bytes[i] - 1) / bytes[i], 0, parts[i].count); };

@@ -131,6 +131,7 @@ void forward(const Model* md, int64_t num_seqs, const Seq* seqs, const int64_t* 
   const int64_t H = md->hidden, D = md->head_dim, heads = md->heads, kvh = md->kv_heads, I = md->intermediate;
   const int64_t q_width = heads * D, kv_width = kvh * D, qkv_width = q_width + 2 * kv_width;
   const int threads = md->threads;
+  Pool::Hold hold(pool(threads));  // the workers stay awake until the pass ends
   int64_t M = 0, rows_out = 0;
   for (int64_t s = 0; s < num_seqs; ++s) { M += seqs[s].n; rows_out += seqs[s].num_logits; }
   std::vector<float> hidden(M * H), x(M * H), tmp(M * H), qkv(M * qkv_width), att(M * q_width),

@@ -4,8 +4,9 @@
 // neighbouring processes on 2-core machines; docs/ARCHITECTURE.md, "Choices, measured"), and the kernels share
 // torch's OpenMP runtime. With passive threads every parallel region wakes its threads through
 // the kernel (a futex), and a decoding pass has about five regions per layer: on the embedded
-// model that doubled the cost of a one-token pass. Here a worker spins for SPIN_NS after its
-// last job, so the regions of one pass follow each other without a system call, then sleeps.
+// model that doubled the cost of a one-token pass. Here a worker spins while a pass holds the pool
+// (Hold) and for SPIN_NS after its last job, so the regions of one pass follow each other without
+// a system call, then sleeps.
 // Short: between passes the engine's Python and the HTTP thread need the core (with 0.2 ms of
 // spinning, a served token took 14 ms against 11 with 30 us, AVX2 machine).
 //
@@ -47,6 +48,20 @@ class Pool {
   Pool& operator=(const Pool&) = delete;
 
   int threads() const { return threads_; }
+
+  // While a Hold lives (a forward pass), workers spin between jobs however long the gap, instead
+  // of sleeping after SPIN_NS: a layer's jobs can be further apart than that (the caller running
+  // the last share of a layer), and a sleeping worker costs the next job a wake-up.
+  class Hold {
+   public:
+    explicit Hold(Pool& p) : p_(p) { p_.held_.fetch_add(1, std::memory_order_relaxed); }
+    ~Hold() { p_.held_.fetch_sub(1, std::memory_order_relaxed); }
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+
+   private:
+    Pool& p_;
+  };
 
   template <class F>
   void parallel_for(int64_t count, F&& f, int64_t shares = 0) {
@@ -95,7 +110,7 @@ class Pool {
       uint64_t now = claim_.load(std::memory_order_acquire);
       const auto start = std::chrono::steady_clock::now();
       for (int spins = 0; (now >> 32) == seen; now = claim_.load(std::memory_order_acquire)) {
-        if (++spins % 256 == 0 &&
+        if (++spins % 256 == 0 && held_.load(std::memory_order_relaxed) == 0 &&
             std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(SPIN_NS)) {
           claim_.wait(now, std::memory_order_acquire);  // sleep until the next job
         } else {
@@ -117,6 +132,7 @@ class Pool {
   std::mutex busy_;
   std::atomic<uint64_t> claim_{0};  // epoch << 32 | shares << 16 | next unclaimed share
   std::atomic<int64_t> done_{0};     // shares done by workers in this epoch
+  std::atomic<int> held_{0};         // Holds alive
   void (*job_)(void*, int64_t) = nullptr;
   void* ctx_ = nullptr;
 };
