@@ -160,7 +160,7 @@ void linear(const Mat* w, const float* x, int64_t M, float* y, int threads, int 
   // (the last round the size of the one before it), so that the thread that finishes first waits
   // at most a short piece, while most of the layer is read in long contiguous runs.
   const int64_t T = std::max(1, threads), pieces = T * (M > 8 ? PIECES_WIDE : PIECES), rounds = pieces / T;
-  const auto weight = [&](int64_t id) -> int64_t {  // piece id's share: 8, 4, 2, 2 per thread with PIECES = 4
+  const auto weight = [&](int64_t id) -> int64_t {  // piece id's relative share: rounds of 8, 4, 2, 2 with PIECES = 4
     return M > 8 ? 1 : int64_t(1) << (rounds - 1 - std::min(id / T, rounds - 2));
   };
   int64_t sum = 0;
