@@ -40,8 +40,9 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, wind
 
 @each_isa
 # Groups of 1 to 12 query heads per key/value head: 6 (Qwen2.5-1.5B) goes through a chunk in one
-# block of rows in every build (one key at a time with 16 vector registers), 5 two keys at a time
-# there, 7 in one block in the AVX-512 builds and in two elsewhere; 12 in two blocks everywhere.
+# block of rows in every build (two keys at a time with 16 vector registers, each row's query
+# loaded as it is used), 5 two keys at a time there with the queries held, 7 in one block in the
+# AVX-512 builds and in two elsewhere; 12 in two blocks everywhere.
 @pytest.mark.parametrize("dim,heads,kv_heads", [(16, 4, 2), (64, 9, 3), (64, 4, 4), (128, 4, 1), (256, 4, 1),
                                                 (128, 12, 2), (64, 5, 1), (32, 7, 1), (64, 12, 1)])
 @pytest.mark.parametrize("n,end", [(1, 1), (1, 300), (3, 17), (8, 256), (8, 600), (17, 520)])

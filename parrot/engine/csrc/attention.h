@@ -57,16 +57,29 @@ inline void fetch_ahead(const void* keys, const void* values, int64_t bytes) {
 
 // The head dimension's vectors: simd.h's F (16 lanes in the AVX-512 builds, 8 in the others),
 // with up to RMAX rows of a token through a chunk together (8 with AVX-512's 32 registers, 6 with
-// 16, where 6 rows take one key at a time). A one-token pass of Qwen2.5-1.5B (6 query heads per
-// key/value head, head size 128) at 4,096 positions was arithmetic-bound in 8 lanes and 4 rows:
-// 5.8 ms of 28 layers with the cache in cache, 7.9 ms streaming it (15 GB/s of a 29 GB/s machine;
-// Intel Xeon, AVX-512). In 4 rows and 2 its keys and values were read and widened twice per token.
+// 16, where 6 rows take two keys at a time, each row's query loaded as it is used). A one-token
+// pass of Qwen2.5-1.5B (6 query heads per key/value head, head size 128) at 4,096 positions was
+// arithmetic-bound in 8 lanes and 4 rows: 5.8 ms of 28 layers with the cache in cache, 7.9 ms
+// streaming it (15 GB/s of a 29 GB/s machine; Intel Xeon, AVX-512). In 4 rows and 2 its keys and
+// values were read and widened twice per token.
 namespace av {
 using V = F;
 constexpr int W = L, RMAX = REGISTERS >= 32 ? 8 : 6;
 // Keys (or value slices) at a time for RB rows: the most of 4, 2 and 1 that fit in registers
-// with an accumulator per row and key, a query (or weight) per row, and the key.
-constexpr int width(int RB) { return RB * 5 + 1 <= REGISTERS ? 4 : RB * 3 + 1 <= REGISTERS ? 2 : 1; }
+// with an accumulator per row and key, the key, and either a query (or weight) per row held for
+// the whole block (`pinned`) or one row's at a time, loaded where it is used (the block's keys
+// then stay in registers). Every accumulator is the same chain of multiply-adds either way.
+// With 16 registers and 6 rows (Qwen2.5's query heads per key/value head) the second way takes 2
+// keys at a time, not 1: 12 independent chains, where 6 left the multiply-adds waiting on each
+// other's latency. A 64-token prompt chunk at 2,048 positions spent about a fifth of its time in
+// attention, much of it in the values' loop; with 2 keys, attention alone over float32 keys
+// (64 rows at 2,112 positions) took 12% less time, and Qwen2.5-Coder-1.5B's passes at 3,000
+// positions 4% less over 8 and 64 tokens (the same logits; AMD EPYC Zen 4, avx2 set).
+constexpr bool fits(int RB, int KB, bool pinned) { return RB * KB + (pinned ? RB : KB) + 1 <= REGISTERS; }
+constexpr int width(int RB) {
+  return fits(RB, 4, true) || fits(RB, 4, false) ? 4 : fits(RB, 2, true) || fits(RB, 2, false) ? 2 : 1;
+}
+constexpr bool pinned(int RB, int KB) { return fits(RB, KB, true); }
 inline V kv(const float* p) { return load(p); }
 inline V kv(const uint16_t* p) { return load_f16((const uint8_t*)p); }
 // The sums of 4 vectors across their lanes, in a fixed order (bytes::ghsum4's, after adding
@@ -98,11 +111,20 @@ inline void score_block(const float* qs, const T* keys, int64_t m, float* scores
     for (int r = 0; r < RB; ++r)
       for (int k = 0; k < KB; ++k) acc[r][k] = zero();
     for (int c = 0; c < C; ++c) {
-      V q[RB];
-      for (int r = 0; r < RB; ++r) q[r] = load(qs + r * D + W * c);
-      for (int k = 0; k < KB; ++k) {
-        const V x = kv(kp[k] + W * c);
-        for (int r = 0; r < RB; ++r) acc[r][k] = fmadd(q[r], x, acc[r][k]);
+      if constexpr (pinned(RB, KB)) {
+        V q[RB];
+        for (int r = 0; r < RB; ++r) q[r] = load(qs + r * D + W * c);
+        for (int k = 0; k < KB; ++k) {
+          const V x = kv(kp[k] + W * c);
+          for (int r = 0; r < RB; ++r) acc[r][k] = fmadd(q[r], x, acc[r][k]);
+        }
+      } else {
+        V x[KB];
+        for (int k = 0; k < KB; ++k) x[k] = kv(kp[k] + W * c);
+        for (int r = 0; r < RB; ++r) {
+          const V q = load(qs + r * D + W * c);
+          for (int k = 0; k < KB; ++k) acc[r][k] = fmadd(q, x[k], acc[r][k]);
+        }
       }
     }
     if constexpr (KB == 1) {  // one key: the sums of 4 rows at a time (each row's own lanes in the same order)
@@ -135,11 +157,20 @@ inline void value_block(const float* scores, const T* values, int64_t m, float* 
     for (int r = 0; r < RB; ++r)
       for (int c = 0; c < VS; ++c) o[r][c] = zero();
     for (int64_t j = 0; j < m; ++j) {
-      V p[RB];
-      for (int r = 0; r < RB; ++r) p[r] = set1(scores[r * CHUNK + j]);
-      for (int c = 0; c < VS; ++c) {
-        const V x = kv(values + j * D + W * (c0 + c));
-        for (int r = 0; r < RB; ++r) o[r][c] = fmadd(p[r], x, o[r][c]);
+      if constexpr (pinned(RB, VS)) {
+        V p[RB];
+        for (int r = 0; r < RB; ++r) p[r] = set1(scores[r * CHUNK + j]);
+        for (int c = 0; c < VS; ++c) {
+          const V x = kv(values + j * D + W * (c0 + c));
+          for (int r = 0; r < RB; ++r) o[r][c] = fmadd(p[r], x, o[r][c]);
+        }
+      } else {
+        V x[VS];
+        for (int c = 0; c < VS; ++c) x[c] = kv(values + j * D + W * (c0 + c));
+        for (int r = 0; r < RB; ++r) {
+          const V p = set1(scores[r * CHUNK + j]);
+          for (int c = 0; c < VS; ++c) o[r][c] = fmadd(p, x[c], o[r][c]);
+        }
       }
     }
     for (int r = 0; r < RB; ++r)
