@@ -452,6 +452,39 @@ def test_an_eos_after_a_stop_string_in_the_same_pass_is_not_output():
         assert result.token_ids == [4, 5, 6] and result.text == "d" and result.finish_reason == "stop"
 
 
+def _copying_request(cost: list[float]):
+    """A request on the tiny model whose drafter predicts its output exactly, with adaptive
+    drafting on the cost curve ``cost``: its stats, and the plain output to compare."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompt = _prompt(5)
+    plain = _generate(tiny_engine("native", FORCED), prompt, params, spec=False)
+    engine = tiny_engine("native", DraftingConfig(method="test-prediction", max_draft=8), cost=cost)
+    return _generate(engine, prompt, params, context=[plain.token_ids]), plain
+
+
+def test_verifying_one_draft_a_pass_learns_from_the_models_own_token_that_copies_run_on():
+    """On a curve where a third token is dear, one draft a pass is the best choice while the
+    chance that a second draft holds is the prior's 2/3, and a pass with one draft never tests a
+    second. The model's own token tests it: it is the verdict on the draft token cut off. So the
+    request learns that its copy goes on and verifies longer drafts (a server on a Zen 4 once
+    verified one draft a pass all its life, on code edits accepted 63 times of 64)."""
+    cost = [0.0, 1.0, 1.23, 1.7, 1.95, 2.36, 2.6, 3.0, 3.4, 3.86]
+    spec, plain = _copying_request(cost)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.accepted_tokens == spec.stats.drafted_tokens  # the prediction is the output
+    assert spec.stats.drafted_tokens > 2 * spec.stats.forward_passes  # more than one draft a pass: 3+
+
+
+def test_a_request_that_drafts_nothing_learns_from_the_models_own_token_when_drafts_would_hold():
+    """On a curve where a draft pays only if it holds more than 60% of the time, the prior's
+    even chance drafts nothing, and a pass without drafts tests none. The model's own token is
+    the verdict on the first draft token all the same, so drafting starts once they hold."""
+    cost = [0.0] + [1.0 + 0.6 * t for t in range(10)]
+    spec, plain = _copying_request(cost)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.accepted_tokens == spec.stats.drafted_tokens > len(plain.token_ids) // 2
+
+
 def test_an_injected_draft_sizer_cuts_the_drafts():
     prompt = _prompt(3)
     params = SamplingParams(max_tokens=40, ignore_eos=True)

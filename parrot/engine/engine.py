@@ -77,6 +77,7 @@ class _Plan:
     forced: list[TokenId] = field(default_factory=list)
     masks: list[bytes] | None = None  # grammar bitmask at each verified position
     prompt_rows: int = 0  # logits before those, at prompt tokens, for prompt logprobs
+    past_cut: TokenId | None = None  # the draft token after the sizer's cut, checked for free
 
 
 class Generation:
@@ -370,10 +371,13 @@ class Engine:
             lengths = self.sizer(slots)
             assert len(lengths) == len(slots), "a draft sizer returns one length per slot"
             for (_, p), keep in zip(decoding, lengths):
+                p.past_cut = p.draft[keep] if keep < len(p.draft) else None
                 p.draft = p.draft[:keep]
         for seq, p in decoding:
             if seq.params.stop and p.draft:
-                p.draft = self._cut_at_stop_string(seq, p.forced, p.draft)
+                cut = self._cut_at_stop_string(seq, p.forced, p.draft)
+                if len(cut) < len(p.draft):
+                    p.draft, p.past_cut = cut, None  # the token after a stop string: nothing to learn
             if seq.grammar is not None:
                 p.masks = seq.grammar.masks(p.draft)
             p.tokens = p.tokens + p.draft
@@ -427,7 +431,15 @@ class Engine:
         seq.stats.drafted_tokens += len(draft)
         seq.stats.accepted_tokens += num_accepted
         seq.stats.forced_tokens += len(forced)
-        seq.acceptance.observe(plan.bucket, len(draft), num_accepted)
+        if num_accepted == len(draft) and plan.past_cut is not None:
+            # The model's own token is the verdict on the draft token the sizer cut off: it would
+            # have been accepted exactly when it equals it (greedy; sampled, with the probability
+            # it would have been accepted with). Without this look a request verifying one draft
+            # a pass never learns whether its copies run on, nor one verifying none whether its
+            # drafts have become good (it only learns from what it verifies).
+            seq.acceptance.observe(plan.bucket, len(draft) + 1, num_accepted + (verified[-1] == plan.past_cut))
+        else:
+            seq.acceptance.observe(plan.bucket, len(draft), num_accepted)
         return verified
 
     # 4. Apply stops -----------------------------------------------------------------------------
