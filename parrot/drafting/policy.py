@@ -145,7 +145,8 @@ class DraftLengthPolicy:
     of 64 (a start-up that measured 3 tokens and more some 15% dear is enough for that). So past
     the longest length seen the curve is at most the line through the two longest: where nothing
     has been seen it is optimistic, the next length gets tried, and what it is seen to cost
-    replaces the guess.
+    replaces the guess. (The same symptom has an acceptance side, which the engine's look past
+    the cut answers: see the module docstring.)
     """
 
     # A length's estimate moves this far towards a pass that took less time, and this far towards
