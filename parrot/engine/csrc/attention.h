@@ -80,6 +80,27 @@ constexpr int width(int RB) {
   return fits(RB, 4, true) || fits(RB, 4, false) ? 4 : fits(RB, 2, true) || fits(RB, 2, false) ? 2 : 1;
 }
 constexpr bool pinned(int RB, int KB) { return fits(RB, KB, true); }
+// acc[r][k] += row(r) * col(k) for RB rows and KB columns (keys or value slices): the rows'
+// operands held for the block where they fit beside it (`pinned`), else the columns held and
+// each row's operand made where it is used.
+template <int RB, int KB, class Row, class Col>
+inline void fma_block(V (&acc)[RB][KB], Row row, Col col) {
+  if constexpr (pinned(RB, KB)) {
+    V a[RB];
+    for (int r = 0; r < RB; ++r) a[r] = row(r);
+    for (int k = 0; k < KB; ++k) {
+      const V x = col(k);
+      for (int r = 0; r < RB; ++r) acc[r][k] = fmadd(a[r], x, acc[r][k]);
+    }
+  } else {
+    V x[KB];
+    for (int k = 0; k < KB; ++k) x[k] = col(k);
+    for (int r = 0; r < RB; ++r) {
+      const V a = row(r);
+      for (int k = 0; k < KB; ++k) acc[r][k] = fmadd(a, x[k], acc[r][k]);
+    }
+  }
+}
 inline V kv(const float* p) { return load(p); }
 inline V kv(const uint16_t* p) { return load_f16((const uint8_t*)p); }
 // The sums of 4 vectors across their lanes, in a fixed order (bytes::ghsum4's, after adding
@@ -110,23 +131,8 @@ inline void score_block(const float* qs, const T* keys, int64_t m, float* scores
     V acc[RB][KB];
     for (int r = 0; r < RB; ++r)
       for (int k = 0; k < KB; ++k) acc[r][k] = zero();
-    for (int c = 0; c < C; ++c) {
-      if constexpr (pinned(RB, KB)) {
-        V q[RB];
-        for (int r = 0; r < RB; ++r) q[r] = load(qs + r * D + W * c);
-        for (int k = 0; k < KB; ++k) {
-          const V x = kv(kp[k] + W * c);
-          for (int r = 0; r < RB; ++r) acc[r][k] = fmadd(q[r], x, acc[r][k]);
-        }
-      } else {
-        V x[KB];
-        for (int k = 0; k < KB; ++k) x[k] = kv(kp[k] + W * c);
-        for (int r = 0; r < RB; ++r) {
-          const V q = load(qs + r * D + W * c);
-          for (int k = 0; k < KB; ++k) acc[r][k] = fmadd(q, x[k], acc[r][k]);
-        }
-      }
-    }
+    for (int c = 0; c < C; ++c)
+      fma_block(acc, [&](int r) { return load(qs + r * D + W * c); }, [&](int k) { return kv(kp[k] + W * c); });
     if constexpr (KB == 1) {  // one key: the sums of 4 rows at a time (each row's own lanes in the same order)
       const auto row = [&](int r) { return r < RB ? acc[r][0] : zero(); };
       for (int r0 = 0; r0 < RB; r0 += 4) {
@@ -156,23 +162,9 @@ inline void value_block(const float* scores, const T* values, int64_t m, float* 
     V o[RB][VS];
     for (int r = 0; r < RB; ++r)
       for (int c = 0; c < VS; ++c) o[r][c] = zero();
-    for (int64_t j = 0; j < m; ++j) {
-      if constexpr (pinned(RB, VS)) {
-        V p[RB];
-        for (int r = 0; r < RB; ++r) p[r] = set1(scores[r * CHUNK + j]);
-        for (int c = 0; c < VS; ++c) {
-          const V x = kv(values + j * D + W * (c0 + c));
-          for (int r = 0; r < RB; ++r) o[r][c] = fmadd(p[r], x, o[r][c]);
-        }
-      } else {
-        V x[VS];
-        for (int c = 0; c < VS; ++c) x[c] = kv(values + j * D + W * (c0 + c));
-        for (int r = 0; r < RB; ++r) {
-          const V p = set1(scores[r * CHUNK + j]);
-          for (int c = 0; c < VS; ++c) o[r][c] = fmadd(p, x[c], o[r][c]);
-        }
-      }
-    }
+    for (int64_t j = 0; j < m; ++j)
+      fma_block(o, [&](int r) { return set1(scores[r * CHUNK + j]); },
+                [&](int c) { return kv(values + j * D + W * (c0 + c)); });
     for (int r = 0; r < RB; ++r)
       for (int c = 0; c < VS; ++c) store(part + r * (D + 2) + 2 + W * (c0 + c), o[r][c]);
   }
