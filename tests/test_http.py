@@ -280,6 +280,12 @@ def test_metrics_parse_and_counters_move(http_server, client):
     assert after["parrot_forward_passes_total"] > before["parrot_forward_passes_total"]
     assert after["parrot_time_to_first_token_seconds_count"] == before["parrot_time_to_first_token_seconds_count"] + 1
     assert _metric(url, "parrot_requests_total", endpoint="/v1/chat/completions", status="200") == requests_before + 1
+    # A stream and a refused request are counted too, each under its route and status.
+    bad_before = _metric(url, "parrot_requests_total", endpoint="/v1/chat/completions", status="400")
+    assert len(list(_chat(client, messages=QUESTION, max_tokens=4, stream=True))) > 0
+    assert httpx.post(url + "/v1/chat/completions", json={"model": "SmolLM2-135M-Instruct", "messages": QUESTION, "max_tokens": -1}).status_code == 400
+    assert _metric(url, "parrot_requests_total", endpoint="/v1/chat/completions", status="200") == requests_before + 2
+    assert _metric(url, "parrot_requests_total", endpoint="/v1/chat/completions", status="400") == bad_before + 1
 
 
 def test_metrics_give_the_draft_policy_pass_cost_curve(http_server, embedded_engine):

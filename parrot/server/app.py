@@ -13,7 +13,7 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from parrot.server.auth import KeyChecker, RequireKey, read_keys
@@ -107,6 +107,29 @@ class Draining:
             self.state.in_flight -= 1
 
 
+class CountRequests:
+    """Counts each response by route and status (``parrot_requests_total``) as it starts. Plain ASGI
+    rather than ``@app.middleware("http")``: that one passes every chunk of a stream through a
+    memory channel and a task of its own, work the event loop did per streamed token."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":  # the router has put the route in the scope by now
+                endpoint = getattr(scope.get("route"), "path", "unmatched")
+                self.state.metrics.requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
     """The app. The model loads on a background thread at start-up; /health is 503 until then."""
     state = ServerState(config)
@@ -159,14 +182,7 @@ def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
     app.include_router(tokens.router)
     app.include_router(dashboard.router)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next: Any) -> Any:
-        response = await call_next(request)
-        route = request.scope.get("route")
-        endpoint = getattr(route, "path", "unmatched")
-        state.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
-        return response
-
+    app.add_middleware(CountRequests, state=state)
     app.add_middleware(BodyLimit, limit=config.server.max_body_bytes)
     checker = KeyChecker(read_keys(config.server))
     if checker:  # before the body is read; after draining (a draining server says so first)
