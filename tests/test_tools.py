@@ -104,6 +104,41 @@ def test_the_grammar_decides_between_text_and_calls(compiler, required, parallel
         assert tokenizer.decode(compiler.new_state(text).forced_tokens()).startswith('<tool_call>\n{"name":"get')
 
 
+def test_tags_the_vocabulary_holds_as_added_tokens_are_that_token_in_the_grammar(embedded_tokenizer):
+    """Qwen2.5's vocabulary holds ``<tool_call>`` and ``</tool_call>`` as added tokens, which
+    llguidance reads as special tokens, never as their text. The embedded vocabulary with the two
+    tags added stands in for it: the grammar takes the tags as those tokens, so the tokenizer's
+    own spelling of calls is allowed and the forced start of a call is the tag's token (with the
+    tags as text, llguidance forced that token and then refused it: a 500 on the 1.5B coder)."""
+    import copy
+    import dataclasses
+
+    from tokenizers import AddedToken
+
+    from parrot.constrain.grammar import GrammarCompiler
+
+    hf = copy.deepcopy(embedded_tokenizer.hf)
+    hf.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in ("<tool_call>", "</tool_call>")])
+    tokenizer = dataclasses.replace(embedded_tokenizer, hf=hf)
+    compiler = GrammarCompiler(tokenizer)
+    open_id, close_id = len(embedded_tokenizer.hf), len(embedded_tokenizer.hf) + 1
+    assert compiler.tag_tokens == {"<tool_call>": open_id, "</tool_call>": close_id}
+    calls = tokenizer.encode(TWO_CALLS)
+    assert calls.count(open_id) == calls.count(close_id) == 2
+    for required in (True, False):
+        spec = {"functions": [WEATHER["function"], TIME["function"]], "required": required, "parallel": True}
+        assert compiler.new_state(compiler.compile("tools", spec)).validate(calls) == len(calls)
+    state = compiler.new_state(compiler.compile("tools", {**spec, "required": True}))
+    forced = state.forced_tokens()
+    assert forced[0] == open_id and tokenizer.decode(forced).startswith('<tool_call>\n{"name":"')
+    state.consume(forced)
+    # A grammar with the tag as text (a client's own Lark) still never forces what it refuses.
+    text_state = compiler.new_state(compiler.compile("lark", 'start: "<tool_call>\\nx"'))
+    forced = text_state.forced_tokens()
+    assert open_id not in forced
+    text_state.consume(forced)
+
+
 # -- the API, on the embedded model ------------------------------------------------------------
 
 

@@ -30,7 +30,9 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from parrot.constrain.tools import tool_grammar
 from parrot.tokenizer.loader import Tokenizer
+from parrot.tokenizer.tool_format import CLOSE_TAG, OPEN_TAG
 
 TokenId = int
 MAX_BACKOFF = 4
@@ -110,6 +112,10 @@ class Grammar:
         if not self.fast_forward or self.stopped:
             return []
         tokens = list(self.matcher.compute_ff_tokens())
+        # llguidance spells the forced bytes with the tokenizer, which reads text such as
+        # "<tool_call>" as an added token that the grammar's text does not match: never force
+        # what the grammar itself would refuse.
+        tokens = tokens[: int(self.matcher.validate_tokens(tokens))] if tokens else []
         if not tokens:
             return []
         return canonical_prefix(tokens, self.matcher.compute_ff_bytes(), self.index)
@@ -187,17 +193,31 @@ class GrammarCompiler:
         hf: Any = tokenizer.hf  # a fast (tokenizers-backed) tokenizer
         self.llg_tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=tokenizer.vocab_size)
         self.index = TokenBytes(tokenizer, self.llg_tokenizer)
+        self.tag_tokens = self._tag_tokens()
         # grammar text -> (a pristine matcher, deep-copied for each request as that is cheaper than
         # compiling; llguidance's warnings)
         self._cache: OrderedDict[str, tuple[Any, tuple[str, ...]]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
+    def _tag_tokens(self) -> dict[str, int]:
+        """The tool-call tags this vocabulary holds as one added token whose text decoding keeps
+        (not a special token to the tokenizer), by tag: the model writes them as that token."""
+        found = {}
+        for tag in (OPEN_TAG, CLOSE_TAG):
+            ids = self.tokenizer.encode(tag)
+            if len(ids) == 1 and self.llg_tokenizer.is_special_token(ids[0]) and self.tokenizer.decode(ids) == tag:
+                found[tag] = ids[0]
+        return found
+
     def grammar_text(self, kind: str, spec: Any, lenient: bool = False) -> str:
-        """llguidance grammar for ``kind`` in json_schema | regex | choice | lark; ``lenient``:
-        a JSON schema's keywords the grammar cannot enforce are left out (``unenforced`` says which)."""
+        """llguidance grammar for ``kind`` in json_schema | regex | choice | lark | tools (spec:
+        ``functions``, ``required``, ``parallel`` of ``tool_grammar``); ``lenient``: a JSON
+        schema's keywords the grammar cannot enforce are left out (``unenforced`` says which)."""
         M = self._llg.LLMatcher
         try:
+            if kind == "tools":
+                return tool_grammar(spec["functions"], spec["required"], spec["parallel"], self.tag_tokens)
             if kind == "json_schema":
                 schema = json.loads(spec) if isinstance(spec, str) else spec
                 # Compact separators: more of the output is forced, and small models cannot wander

@@ -16,24 +16,37 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
-from parrot.tokenizer.tool_format import CLOSE, OPEN
+from parrot.tokenizer.tool_format import CLOSE, CLOSE_TAG, OPEN, OPEN_TAG
 
 
-def tool_grammar(functions: list[dict[str, Any]], required: bool, parallel: bool) -> str:
+def tool_grammar(functions: list[dict[str, Any]], required: bool, parallel: bool,
+                 tag_tokens: Mapping[str, int] | None = None) -> str:
     """The llguidance Lark grammar of the answer: calls of ``functions`` (OpenAI function objects:
     name, parameters), one or (``parallel``) more; unless ``required``, text instead.
 
     Each function's parameters stay the root of their own inline JSON schema (``%json``), so that
-    the schema's own references (``#/definitions/...``) resolve as written."""
+    the schema's own references (``#/definitions/...``) resolve as written. ``tag_tokens``: the
+    tags the vocabulary holds as one added token (Qwen2.5's ``<tool_call>`` is token 151657), by
+    id (``GrammarCompiler.tag_tokens``). llguidance reads an added token as a special token, never
+    as its text, so a tag written as text would refuse the model's own token for it (and force
+    one the grammar then rejects)."""
+    tags = tag_tokens or {}
+
+    def tag(text: str) -> str:
+        return f"<[{tags[text]}]>" if text in tags else json.dumps(text)
+
     rules = []
     for i, f in enumerate(functions):
         # Compact JSON: more of each call is forced, and a small model cannot wander off in
         # whitespace.
         schema = {**(f.get("parameters") or {"type": "object"}), "x-guidance": {"whitespace_flexible": False}}
-        head = f'{OPEN}{{"name":{json.dumps(f["name"])},"arguments":'
-        rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema)} {json.dumps('}' + CLOSE)}")
+        head = f'{OPEN[len(OPEN_TAG):]}{{"name":{json.dumps(f["name"])},"arguments":'
+        tail = "}" + CLOSE[: -len(CLOSE_TAG)]
+        rules.append(f"call_{i}: {tag(OPEN_TAG)} {json.dumps(head)} %json {json.dumps(schema)} {json.dumps(tail)} "
+                     f"{tag(CLOSE_TAG)}")
     lines = [
         "start: calls" if required else 'start: calls | TEXT | ""',
         'calls: call ("\\n" call)*' if parallel else "calls: call",

@@ -21,7 +21,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from parrot.server.errors import APIError
-from parrot.constrain.tools import tool_grammar
 
 
 # Marks the fields that bound a completion's tokens in the OpenAPI schema, where the server's
@@ -382,8 +381,8 @@ class ChatCompletionRequest(_GenerationFields):
         # A named function is called once (as OpenAI does); otherwise parallel_tool_calls says.
         named = isinstance(self.tool_choice, NamedToolChoice)
         parallel = self.parallel_tool_calls is not False and not named
-        grammar = tool_grammar([f.model_dump(exclude_none=True) for f in functions], required, parallel)
-        return ("tools", "lark", grammar)
+        functions_spec = [f.model_dump(exclude_none=True) for f in functions]
+        return ("tools", "tools", {"functions": functions_spec, "required": required, "parallel": parallel})
 
 
 class SummarizeRequest(_Strict):

@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-OPEN = "<tool_call>\n"
-CLOSE = "\n</tool_call>"
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+OPEN = OPEN_TAG + "\n"
+CLOSE = "\n" + CLOSE_TAG
 
 TOOL_PROMPT = """# Tools
 
