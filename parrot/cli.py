@@ -20,6 +20,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
     parser.add_argument("--activations", default=None, choices=("q8", "float32"),
                         help="block kernels' inputs: q8 (8-bit, faster; default) or float32")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="Jinja chat template (a file, or the template itself) for a model that has none, as a "
+                             "base model's GGUF, or to replace the model's own")
     parser.add_argument("--prefix-cache-bytes", type=byte_size, default=None, metavar="SIZE",
                         help="host memory for KV blocks reused across requests (a chat's next turn reads only its "
                              "new tokens): bytes, or with a K/M/G suffix (2G); 0 turns the cache off; default: a "
@@ -74,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config_from_args(args: argparse.Namespace) -> Config:
     overrides: dict[str, dict[str, Any]] = {
-        "model": {"source": args.model, "device": args.device, "dtype": args.dtype, "activations": args.activations},
+        "model": {"source": args.model, "device": args.device, "dtype": args.dtype, "activations": args.activations,
+                  "chat_template": args.chat_template},
     }
     overrides["server"] = {name: getattr(args, name, None) for name in ("host", "port", "api_key", "api_key_file")}
     if getattr(args, "no_draft", False):

@@ -26,6 +26,7 @@ class ModelConfig:
     backend: str = "auto"
     threads: int = 0
     activations: str = "q8"
+    chat_template: str = ""  # a Jinja chat template's path, or the template itself ("": the model's own)
 
     def __post_init__(self) -> None:
         _check_choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))

@@ -20,6 +20,7 @@ from parrot.engine.backend import LoadedModel
 from parrot.engine.memory import check_fits, release_free_memory, resident_bytes
 from parrot.engine.source import ModelSource, resolve_source
 from parrot.tokenizer import Tokenizer
+from parrot.tokenizer.loader import read_chat_template
 from parrot.tokenizer.gguf_vocab import UnsupportedTokenizerError
 
 log = logging.getLogger("parrot.engine")
@@ -28,6 +29,8 @@ log = logging.getLogger("parrot.engine")
 def preflight(config: ModelConfig) -> None:
     """The checks worth making before a server starts: the model exists, a backend can load it,
     and it would fit."""
+    if config.chat_template:
+        read_chat_template(config.chat_template)
     source = resolve_source(config.source)
     first = next(backends.candidates(source, config))
     check_fits(source.display_name, first.memory_needed(source, config))
@@ -58,6 +61,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise UnsupportedTokenizerError(
             f"the tokenizer has {len(loaded.tokenizer.hf)} tokens and the model {loaded.forward.vocab_size} rows: "
             "text could encode to ids the model cannot read")
+    if config.chat_template:
+        loaded.tokenizer.use_chat_template(read_chat_template(config.chat_template))
+        log.info("chats rendered with the chat template of model.chat_template, not the model's own")
     loaded.details = backends.get_backend(loaded.backend).describe(loaded)
     log.info("loaded in %.1f s: backend %s, %s, context window %d",
              loaded.load_seconds, loaded.backend, loaded.details["summary"], loaded.context_window)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -97,7 +98,8 @@ class Tokenizer:
         ``tool_calls`` and ``tool`` messages) and ``tools`` (OpenAI tool objects). A template
         without tool support gets them as :func:`parrot.tokenizer.tool_format.tool_messages` renders them."""
         if not getattr(self.hf, "chat_template", None):
-            raise ValueError("this model has no chat template; use a plain prompt instead")
+            raise ValueError("this model has no chat template; use a plain prompt (/v1/completions), or start the "
+                             "server with one (--chat-template FILE, model.chat_template)")
         if self.supports_tools:
             messages = [_arguments_as_objects(m) for m in messages]
         else:
@@ -107,6 +109,18 @@ class Tokenizer:
         )
         assert isinstance(text, str)
         return text
+
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with ``template`` (Jinja, as in a tokenizer_config.json) instead of the
+        model's own, or where the model has none (a base model's GGUF); ValueError if it cannot
+        render a one-message chat."""
+        before = getattr(self.hf, "chat_template", None)
+        self.hf.chat_template = template
+        try:
+            self.render_chat([{"role": "user", "content": "Hello"}])
+        except Exception as exc:
+            self.hf.chat_template = before
+            raise ValueError(f"the chat template given cannot render a chat: {type(exc).__name__}: {exc}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None) -> list[TokenId]:
@@ -202,6 +216,17 @@ def write_merges_as_strings(tokenizer_json: str) -> bool:
     with open(tokenizer_json, "w", encoding="utf-8") as f:
         json.dump(data, f, ensure_ascii=False)
     return True
+
+
+def read_chat_template(value: str) -> str:
+    """``model.chat_template``: a Jinja file's path, or the template itself (as vLLM's
+    ``--chat-template`` takes either); ValueError naming a file that is not there."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"model.chat_template: no file {value!r} (give a Jinja chat template's path, or the template)")
+    return path.read_text(encoding="utf-8")
 
 
 def load_tokenizer(model_dir_or_id: str, gguf_file: str | None = None, saved: bool = False) -> Tokenizer:
