@@ -42,17 +42,30 @@ def _default_builder(config: Config) -> tuple[LoadedModel, Engine]:
     return build_engine(config)
 
 
-class BodyLimit:
+class _HttpMiddleware:
+    """An ASGI middleware of HTTP requests (``http``); anything else (lifespan) passes through."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self.http(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class BodyLimit(_HttpMiddleware):
     """Reject request bodies over ``limit`` bytes with 413 before reading them into memory."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.limit = limit
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         too_large = APIError(413, f"request body exceeds {self.limit} bytes", code="request_too_large")
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
@@ -83,18 +96,15 @@ class _BodyTooLarge(Exception):
 _SERVED_WHILE_DRAINING = ("/health", "/metrics", "/v1/stats")
 
 
-class Draining:
+class Draining(_HttpMiddleware):
     """Counts the requests in flight (``state.in_flight``) and, once ``state.draining`` is set
     (SIGTERM, see ``DrainingServer``), answers new ones with 503 and ``Connection: close``."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
-        self.app = app
+        super().__init__(app)
         self.state = state
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.state.draining and scope.get("path") not in _SERVED_WHILE_DRAINING:
             refused = APIError(503, "the server is shutting down; retry on another instance", code="server_shutting_down",
                                headers={"Connection": "close"})
@@ -107,20 +117,16 @@ class Draining:
             self.state.in_flight -= 1
 
 
-class CountRequests:
+class CountRequests(_HttpMiddleware):
     """Counts each response by route and status (``parrot_requests_total``) as it starts. Plain ASGI
     rather than ``@app.middleware("http")``: that one passes every chunk of a stream through a
     memory channel and a task of its own, work the event loop did per streamed token."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
-        self.app = app
+        super().__init__(app)
         self.state = state
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":  # the router has put the route in the scope by now
                 endpoint = getattr(scope.get("route"), "path", "unmatched")
