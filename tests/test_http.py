@@ -191,6 +191,9 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, 400, "invalid_request_error", "messages"),
     ("/v1/chat/completions", {}, 400, "invalid_request_error", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_request_error", "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {
+        "type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "invalid_request_error",
+     "messages[0].content[1].type"),  # a text-only model: the part it cannot read, not "should be a string"
     ("/v1/chat/completions", {"messages": QUESTION, "temperature": 5}, 400, "invalid_request_error", "temperature"),
     ("/v1/chat/completions", {"messages": QUESTION, "temperature": "hot"}, 400, "invalid_request_error", "temperature"),
     ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),

@@ -67,6 +67,12 @@ def _param_of(loc: tuple[Any, ...]) -> str | None:
     return out
 
 
+def _field_path(error: Any) -> tuple[Any, ...]:
+    """An error's location without the union members pydantic reports as path parts (e.g. 'str',
+    'list[int]')."""
+    return tuple(p for p in error.get("loc", ()) if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool"))))
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first pydantic problem, said plainly, with the parameter it concerns."""
     return validation_error_of(exc.errors())
@@ -76,11 +82,16 @@ def validation_error_of(errors: Sequence[Any]) -> APIError:
     """``validation_error`` of pydantic's error list (of a request or of a model built from one)."""
     if not errors:
         return APIError(400, "invalid request")
+    # A value no member of a union takes has an error per member, the first one's first
+    # ('messages[0].content': "Input should be a valid string", for a list of content parts):
+    # the deepest error under the same field says what is wrong ('messages[0].content[1].type').
     first = errors[0]
+    loc = _field_path(first)
+    for error in errors[1:]:
+        deeper = _field_path(error)
+        if len(deeper) > len(loc) and deeper[: len(loc)] == loc:
+            first, loc = error, deeper
     kind = first.get("type", "")
-    loc = tuple(first.get("loc", ()))
-    # pydantic reports union members as path parts (e.g. 'str', 'list[int]'); keep the field path.
-    loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool"))))
     param = _param_of(loc)
     if kind == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
@@ -93,7 +104,7 @@ def validation_error_of(errors: Sequence[Any]) -> APIError:
         )
     if kind == "missing":
         return APIError(400, f"'{param}' is a required property", param=param, code="missing_required_parameter")
-    message = first.get("msg", "invalid value")
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
     if param is None:
         return APIError(400, f"invalid request body: {message}", code="invalid_type")
     return APIError(400, f"invalid value for '{param}': {message}", param=param, code="invalid_value")

@@ -78,8 +78,15 @@ class StreamOptions(_Strict):
 
 
 class ContentPart(_Strict):
-    type: Literal["text"]
+    type: str
     text: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        if value != "text":
+            raise ValueError(f"content parts of type '{value}' are not supported: the served model reads text only")
+        return value
 
 
 class Prediction(_Strict):
