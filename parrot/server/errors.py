@@ -67,6 +67,9 @@ def _param_of(loc: tuple[Any, ...]) -> str | None:
     return out
 
 
+_TYPE_MISMATCH = ("literal_error", "is_instance_of", "union_tag_invalid")
+
+
 def _field_path(error: Any) -> tuple[Any, ...]:
     """An error's location without the union members pydantic reports as path parts (e.g. 'str',
     'list[int]')."""
@@ -84,12 +87,14 @@ def validation_error_of(errors: Sequence[Any]) -> APIError:
         return APIError(400, "invalid request")
     # A value no member of a union takes has an error per member, the first one's first
     # ('messages[0].content': "Input should be a valid string", for a list of content parts):
-    # the deepest error under the same field says what is wrong ('messages[0].content[1].type').
+    # the deepest error under the same field that is not just another member's type says what is
+    # wrong ('messages[0].content[1].type').
     first = errors[0]
     loc = _field_path(first)
     for error in errors[1:]:
         deeper = _field_path(error)
-        if len(deeper) > len(loc) and deeper[: len(loc)] == loc:
+        if (len(deeper) > len(loc) and deeper[: len(loc)] == loc and error.get("type") not in _TYPE_MISMATCH
+                and not str(error.get("type", "")).endswith("_type")):
             first, loc = error, deeper
     kind = first.get("type", "")
     param = _param_of(loc)
