@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -341,3 +342,61 @@ def test_a_draft_never_carries_eos_past_the_end_of_the_grammar(compiler):
     assert grammar.validate(draft) == len(answer)
     assert len(grammar.masks(answer)) == len(answer) + 1
     assert grammar.validate([eos]) == 0
+
+
+@pytest.mark.parametrize("where", ["forced_tokens", "masks", "consume"])
+def test_a_grammar_that_fails_mid_output_ends_its_request_alone(compiler, where):
+    """llguidance can stop a parser mid-output (too complex, say). That request ends with an
+    error of its own; another request in the same passes goes on to the same output as alone."""
+    from parrot.constrain.grammar import GrammarError
+    from parrot.engine.scheduler import Scheduler
+
+    tokenizer = compiler.tokenizer
+    engine, prompt, output = _scripted_engine(tokenizer, "Write JSON.", ['{"a":"xyz","b":"uvw"}'])
+    grammar = compiler.new_state(compiler.compile("json_schema", TWO_KEYS))
+    calls = {"n": 0}
+    real = getattr(grammar, where)
+
+    def failing(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise GrammarError("Parser Error: too complex\n<state>...</state>")
+        return real(*args)
+
+    setattr(grammar, where, failing)
+    failed = engine.start(GenerationRequest(prompt, SamplingParams(max_tokens=50), SpeculationParams(), grammar=grammar))
+    other = engine.start(GenerationRequest(prompt, SamplingParams(max_tokens=50), SpeculationParams()))
+    while not other.finished:
+        engine.step([failed, other])
+    assert calls["n"] >= 3
+    assert failed.finish_reason == "error" and failed.cache is None
+    assert str(failed.error) == "the output's grammar failed: Parser Error: too complex"
+    assert other.output_ids == output + [min(tokenizer.eos_token_ids)] and other.finish_reason == "stop"
+
+    # Served: the scheduler ends that request with its error and the other one as usual.
+    engine, _, _ = _scripted_engine(tokenizer, "Write JSON.", ['{"a":"xyz","b":"uvw"}'])
+    grammar = compiler.new_state(compiler.compile("json_schema", TWO_KEYS))
+    calls["n"], real = 0, getattr(grammar, where)
+    setattr(grammar, where, failing)
+    scheduler = Scheduler(engine, max_running=2, max_queue=4)
+    scheduler.start()
+
+    async def both() -> tuple[Exception | None, list[int]]:
+        bad = scheduler.submit(GenerationRequest(prompt, SamplingParams(max_tokens=50), SpeculationParams(), grammar=grammar))
+        good = scheduler.submit(GenerationRequest(prompt, SamplingParams(max_tokens=50), SpeculationParams()))
+        error, ids = None, []
+        try:
+            async for _ in bad.events():
+                pass
+        except Exception as exc:
+            error = exc
+        async for out in good.events():
+            ids += out.token_ids
+        return error, ids
+
+    try:
+        error, ids = asyncio.run(both())
+    finally:
+        scheduler.stop()
+    assert str(error) == "the output's grammar failed: Parser Error: too complex"
+    assert ids == output + [min(tokenizer.eos_token_ids)]

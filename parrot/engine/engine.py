@@ -18,6 +18,9 @@
    ``StepOutput`` per sequence, which is all that leaves the engine thread; the sequence's
    newly completed blocks go to the prefix cache.
 
+A request whose grammar fails (llguidance can stop a parser mid-output) ends with an error of its
+own (``Generation.error``); the other sequences of the step go on.
+
 A request's output does not depend on drafting: greedy output is the argmax chain either way,
 and sampling draws position t's token with randomness keyed by (seed, choice, t).
 """
@@ -46,7 +49,7 @@ from parrot.drafting import (
 from parrot.config import DraftingConfig
 from parrot.engine.backend import Forward, KVCache, TensorKVCache
 from parrot.engine.costmodel import wait_for
-from parrot.engine.errors import ContextWindowExceeded, EmptyPrompt
+from parrot.engine.errors import ContextWindowExceeded, EmptyPrompt, EngineError
 from parrot.engine.interface import (
     FinishReason,
     GenerationRequest,
@@ -61,7 +64,7 @@ from parrot.engine.prefix_cache import PrefixCache, block_keys
 from parrot.engine.sampling import Sampler
 from parrot.engine.textout import TextAssembler
 from parrot.tokenizer import Tokenizer
-from parrot.constrain.grammar import Grammar
+from parrot.constrain.grammar import Grammar, GrammarError
 
 # The request and output types live in interface.py; callers import them from here as well.
 __all__ = ["Engine", "FinishReason", "Generation", "GenerationRequest", "GenerationResult", "SequenceStats",
@@ -103,6 +106,7 @@ class Generation:
         self.acceptance = AcceptanceStats()
         self.stats = SequenceStats(prompt_tokens=len(request.prompt_ids), started_at=time.perf_counter())
         self.finish_reason: FinishReason | None = None
+        self.error: EngineError | None = None  # why it finished with "error"
         self.grammar = request.grammar
         spec = request.speculation
         drafting = engine.drafting
@@ -129,6 +133,11 @@ class Generation:
     def cancel(self) -> None:
         if not self.finished:
             self.finish("cancelled")
+
+    def fail(self, error: GrammarError) -> None:
+        """End with an error of this request alone (its grammar failed)."""
+        self.error = EngineError(f"the output's grammar failed: {str(error).splitlines()[0] if str(error) else 'error'}")
+        self.finish("error")
 
     def finish(self, reason: FinishReason) -> None:
         self.finish_reason = reason
@@ -209,6 +218,9 @@ class Engine:
             if not running:
                 return [None] * len(sequences)
         plans = self._plan(running)  # 1. a prompt chunk, or pending + forced tokens + a sized draft
+        running, plans = [s for s in running if not s.finished], [p for s, p in zip(running, plans) if not s.finished]
+        if not running:  # every sequence's grammar failed
+            return [None] * len(sequences)
         logits = self._forward(running, plans)  # 2. one pass: [num_logits, vocab] per sequence
         now = time.perf_counter()
         outputs: dict[int, StepOutput] = {}
@@ -221,8 +233,12 @@ class Engine:
                 seq.stats.prefill_chunks += 1
                 self._store_prefix(seq)
                 continue
-            verified = self._accept(seq, plan, seq_logits)  # 3. accepted drafts + recovered/bonus token
-            tokens, text, finish = self._apply_stops(seq, plan.forced, verified)  # 4.
+            try:
+                verified = self._accept(seq, plan, seq_logits)  # 3. accepted drafts + recovered/bonus token
+                tokens, text, finish = self._apply_stops(seq, plan.forced, verified)  # 4.
+            except GrammarError as exc:
+                seq.fail(exc)
+                continue
             outputs[id(seq)] = self._emit(seq, seq_logits, tokens, text, finish, now)  # 5.
         return [outputs.get(id(s)) for s in sequences]
 
@@ -303,9 +319,17 @@ class Engine:
         not held up long."""
         decoding = sum(len(s.pending) == 1 for s in running)
         chunk = self.prefill_chunk_busy if decoding else self.prefill_chunk
-        plans = [self._plan_one(s, chunk) for s in running]
+        plans = [self._planned(s, chunk) for s in running]
         self._size_drafts(running, plans)
         return plans
+
+    def _planned(self, seq: Generation, chunk: int) -> _Plan:
+        """``_plan_one``, or an empty plan for a sequence whose grammar failed (it is finished)."""
+        try:
+            return self._plan_one(seq, chunk)
+        except GrammarError as exc:
+            seq.fail(exc)
+            return _Plan([], 0, [], 0)
 
     def _plan_one(self, seq: Generation, chunk: int) -> _Plan:
         """What ``seq`` feeds this step, with its longest possible draft (sized later)."""
@@ -379,7 +403,11 @@ class Engine:
                 if len(cut) < len(p.draft):
                     p.draft, p.past_cut = cut, None  # the token after a stop string: nothing to learn
             if seq.grammar is not None:
-                p.masks = seq.grammar.masks(p.draft)
+                try:
+                    p.masks = seq.grammar.masks(p.draft)
+                except GrammarError as exc:
+                    seq.fail(exc)
+                    continue
             p.tokens = p.tokens + p.draft
             p.num_logits += len(p.draft)
 

@@ -15,7 +15,8 @@ thread owns the engine and loops:
 5. when nothing runs or waits any more, give the memory the finished requests freed back to the
    OS (``release_free_memory``) before sleeping.
 
-Faults: an exception in ``Engine.step`` fails the requests of that step (their KV caches are
+Faults: a request whose grammar fails ends with its own error (``Generation.error``), the others
+of the step go on; an exception in ``Engine.step`` fails the requests of that step (their KV caches are
 dropped) and the loop goes on with the waiting ones; one in ``Engine.start`` fails that request
 only. Anything else raising in the loop is a bug of the loop itself, whose state can no longer
 be trusted: the engine stops, every request still waiting or running fails, ``failure`` says
@@ -278,7 +279,10 @@ class Scheduler:
         for (handle, generation), output in zip(self._running, outputs):
             if output is not None:
                 self._output(handle, output, now)
-            if generation.finished:
+            if generation.error is not None:  # this request alone failed (its grammar)
+                log.warning("a request failed: %s", generation.error)
+                self._ended(handle, generation, generation.error)
+            elif generation.finished:
                 self._finish(handle, None)
             else:
                 still_running.append((handle, generation))
