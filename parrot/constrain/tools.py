@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from parrot.tokenizer.tool_format import CLOSE, CLOSE_TAG, OPEN, OPEN_TAG
