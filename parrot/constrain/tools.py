@@ -43,8 +43,8 @@ def tool_grammar(functions: list[dict[str, Any]], required: bool, parallel: bool
         # Compact JSON: more of each call is forced, and a small model cannot wander off in
         # whitespace.
         schema = {**(f.get("parameters") or {"type": "object"}), "x-guidance": {"whitespace_flexible": False}}
-        head = f'{OPEN[len(OPEN_TAG):]}{{"name":{json.dumps(f["name"])},"arguments":'
-        tail = "}" + CLOSE[: -len(CLOSE_TAG)]
+        head = f'{OPEN.removeprefix(OPEN_TAG)}{{"name":{json.dumps(f["name"])},"arguments":'
+        tail = "}" + CLOSE.removesuffix(CLOSE_TAG)
         rules.append(f"call_{i}: {tag(OPEN_TAG)} {json.dumps(head)} %json {json.dumps(schema)} {json.dumps(tail)} "
                      f"{tag(CLOSE_TAG)}")
     lines = [

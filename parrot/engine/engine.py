@@ -136,7 +136,8 @@ class Generation:
 
     def fail(self, error: GrammarError) -> None:
         """End with an error of this request alone (its grammar failed)."""
-        self.error = EngineError(f"the output's grammar failed: {str(error).splitlines()[0] if str(error) else 'error'}")
+        first_line = (str(error).splitlines() or ["no message"])[0]  # llguidance appends its whole state
+        self.error = EngineError(f"the output's grammar failed: {first_line}")
         self.finish("error")
 
     def finish(self, reason: FinishReason) -> None:

@@ -297,7 +297,8 @@ class Scheduler:
         handle.deliver(output)
 
     def _ended(self, handle: RequestHandle, generation: Generation, error: EngineError | None) -> None:
-        """Finish a request the scheduler ended (cancelled, or failed) rather than the engine."""
+        """Finish a request the scheduler ended (cancelled, or failed), or one whose own error ended
+        it in the engine (``Generation.error``): its finish reason and stats are the generation's."""
         handle.finish_reason, handle.stats = generation.finish_reason, generation.stats.snapshot()
         self._finish(handle, error)
 
