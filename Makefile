@@ -8,7 +8,7 @@ PORT   ?= 8000
 # The stamp is rebuilt when the dependency list changes; otherwise `make install` is a no-op.
 STAMP  := $(VENV)/.parrot-installed
 
-.PHONY: install serve test fuzz soak bench bench-ray bench-drafter bench-grammar bench-peers numerics bench-multiturn soak-prefix bench-tokenizer check-budgeting check-vocabs replay-grammar replay-sessions replay-tools replay-drafting survey-schemas clean
+.PHONY: install serve test fuzz soak bench bench-ray bench-drafter bench-grammar bench-peers numerics bench-multiturn soak-prefix bench-tokenizer bench-tiles check-budgeting check-vocabs replay-grammar replay-sessions replay-tools replay-drafting survey-schemas clean
 
 install: $(STAMP)
 
@@ -57,6 +57,11 @@ bench-ray: install
 
 bench: install
 	$(PY) -m loadtests.bench_engine
+
+# The 8-bit path's linear layers alone, per kernel set, format and rows of x: in cache and
+# streamed from memory (random blocks, no model; TILES_ARGS, e.g. "--sets avx2 --rows 1,2,4").
+bench-tiles: install
+	$(PY) -m loadtests.bench_tiles $(TILES_ARGS)
 
 bench-drafter: install
 	$(PY) -m loadtests.bench_drafter
