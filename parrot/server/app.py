@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import threading
@@ -136,6 +137,19 @@ class CountRequests(_HttpMiddleware):
         await self.app(scope, receive, counted)
 
 
+def freeze_startup_heap() -> None:
+    """Move every object alive once the model is loaded (the tokenizer's vocabulary, the model's
+    tables, the app) into Python's permanent generation, which the garbage collector never scans.
+    A full collection walks every tracked object while holding the GIL, so it stalls the engine
+    thread and every stream: over a loaded server's 257,000 objects it took 115-120 ms
+    (Qwen2.5-Coder-1.5B, AMD EPYC Zen 4, 2026-11-29). vLLM freezes its heap after warm-up the same
+    way (freeze_gc_heap); SGLang offers it as freeze_gc. Objects made later are collected as
+    before; the app's shutdown unfreezes."""
+    gc.collect()
+    gc.freeze()
+    log.debug("froze %d start-up objects out of the garbage collector's scans", gc.get_freeze_count())
+
+
 def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
     """The app. The model loads on a background thread at start-up; /health is 503 until then."""
     state = ServerState(config)
@@ -161,6 +175,7 @@ def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
         state.metrics.kv_capacity = config.server.max_running * engine.forward.max_positions
         state.metrics.watch_prefix_cache(engine.prefix_cache)
         state.metrics.watch_cost_curve(engine.policy)
+        freeze_startup_heap()
         log.info("ready: serving %s", loaded.name)
         scheduler.run()
 
@@ -173,6 +188,7 @@ def create_app(config: Config, builder: EngineBuilder | None = None) -> FastAPI:
         if state.scheduler is not None:
             state.scheduler.stop()
             await asyncio.to_thread(thread.join, 10)
+        gc.unfreeze()  # what start-up froze can be collected again once the app is gone (tests run many)
 
     app = FastAPI(title="Parrot", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible LLM server with exact n-gram speculative decoding")
