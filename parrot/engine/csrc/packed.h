@@ -260,6 +260,20 @@ Tiles linear_packed(const W& w, const uint8_t* packed, const XU& x, int64_t M, f
   });
 }
 
+// PARROT_NARROW_ONE_ROW (the avx512 set; kernels.py's TUNING sets it on AMD cores): a call over
+// one row of x (a one-token pass) takes the 256-bit steps of kptile, as the avx2 set does, instead
+// of kpairs' 512-bit step pairs, and its x is arranged in their order (not VNNI's). The same
+// integer sums, so the same results. On a Zen 4 (AMD EPYC, 2026-11-29), one process alternating
+// the two builds pass by pass over one loaded Qwen2.5-Coder-1.5B: the one-token pass 0.91, 0.96
+// and 0.96x at 512 tokens of context, 0.97x at 4,096 (medians of 60; logits equal). The K-quant
+// layers alone streamed one row from memory 0-11% faster so (Q4_K 3-11%, Q6_K 0-7%), though in a
+// core's L2 the pairs are the faster (0.54 against 0.59 ns a step); why the narrower steps
+// stream better was not taken apart. On the Intel Xeon the pairs had taken 12% off the one-token
+// pass (kpairs' comment), so other vendors keep them.
+#ifndef PARROT_NARROW_ONE_ROW
+#define PARROT_NARROW_ONE_ROW 0
+#endif
+
 // Rows of x quantised per super-block of 256 for the K-quant formats: per row and super-block,
 // q (256 bytes), d and the sums of q by 16.
 // For the packed K-quant kernels also: the sums by 32, and q arranged as their steps read it
@@ -286,6 +300,7 @@ struct XK {
   enum Forms : int { PLAIN = 1, BY16 = 2, BY32 = 4 };
   int64_t supers;
   bool fine;
+  bool narrow;  // one row (PARROT_NARROW_ONE_ROW): the avx512 tiles take the 256-bit steps, x in their order
   std::unique_ptr<int8_t[]> q, q16, q32;
   std::vector<int16_t> sums, sums32, f;
   std::vector<float> d;
@@ -309,7 +324,7 @@ struct XK {
   std::vector<int32_t> pairs8, offsets;
 #endif
   XK(const float* x, int64_t M, int64_t K, int threads, int forms, bool fine_ = false, bool split = false)
-      : supers(K / 256), fine(fine_), q(bytes_if(forms & PLAIN, M * K)), q16(bytes_if(forms & BY16, M * K)),
+      : supers(K / 256), fine(fine_), narrow(PARROT_NARROW_ONE_ROW && M == 1), q(bytes_if(forms & PLAIN, M * K)), q16(bytes_if(forms & BY16, M * K)),
         q32(bytes_if(forms & BY32, M * K)), sums(M * supers * 16), sums32(M * supers * 8),
         f(fine_ ? M * supers * 8 : 0), d(M * supers) {
 #if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
@@ -345,8 +360,8 @@ struct XK {
       d[at] = fine ? bytes::quantize256_fine(xs, qa, &sums[at * 16], &f[at * 8])
                    : bytes::quantize256(xs, qa, &sums[at * 16]);
       for (int g = 0; g < 8; ++g) sums32[at * 8 + g] = (int16_t)(sums[at * 16 + 2 * g] + sums[at * 16 + 2 * g + 1]);
-      if (q16) arrange(qa, 16, &q16[at * 256]);
-      if (q32) arrange(qa, 32, &q32[at * 256]);
+      if (q16) arrange(qa, 16, &q16[at * 256], !narrow);
+      if (q32) arrange(qa, 32, &q32[at * 256], !narrow);
 #if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
       if (!d8.empty()) {
         const int64_t i = at / supers, sb = at % supers, tile = i / 8 * supers + sb;
@@ -427,12 +442,12 @@ struct XK {
     channel_at.push_back((int32_t)pick_slot.size());
   }
   static std::unique_ptr<int8_t[]> bytes_if(bool keep, int64_t n) { return keep ? std::unique_ptr<int8_t[]>(new int8_t[n]) : nullptr; }
-  static void arrange(const int8_t* in, int G, int8_t* out) {
+  static void arrange(const int8_t* in, int G, int8_t* out, [[maybe_unused]] bool pairs_order) {
     for (int b = 0; b < 256 / (2 * G); ++b)
       for (int t = 0; t < G / 2; ++t)
         for (int j = 0; j < 4; ++j) out[b * 2 * G + 4 * t + j] = in[(2 * b + j / 2) * G + 2 * t + j % 2];
 #if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
-    for (int o = 0; o < 256; o += 8) {  // kpairs' VNNI order
+    for (int o = 0; pairs_order && o < 256; o += 8) {  // kpairs' VNNI order
       int8_t steps[8];
       std::memcpy(steps, out + o, 8);
       for (int j = 0; j < 8; ++j) out[o + j] = steps[bytes::VNNI_ORDER[j]];
@@ -741,12 +756,13 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
     if (far || row == 0) fetch_ahead(blk, P::BYTES, far);
     S total[MT];
 #if defined(PARROT_AVX512)
-    {
+    if (MT > 1 || !x.narrow) {
       S2 sums[MT];
       kpairs<MT, P, FINE>(blk, xa, xf, sb, sums);
       for (int i = 0; i < MT; ++i) total[i] = fold(sums[i]);
-    }
-#else
+    } else
+#endif
+    {
     for (int i = 0; i < MT; ++i) total[i] = szero();
     for (int b = 0; b < P::NB; ++b) {
       const H scale = hsigned(blk + P::SC_AT + 16 * b);  // signed bytes (Q4_K's and Q5_K's 6-bit scales read the same)
@@ -772,7 +788,7 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
           }
       }
     }
-#endif
+    }
     const G dw = ghalf8(blk);
     for (int i = 0; i < MT; ++i) {
       const int64_t at = (row + i) * supers + sb;
