@@ -97,14 +97,14 @@ def test_a_cpu_vendors_tuning_is_in_its_build_flags(monkeypatch):
     """The avx512 and avx2 sets on AMD cores build without the decoding pass's fetch into L1
     (csrc/packed.h, fetch_ahead); the portable set and other vendors keep it. A fetch changes no
     result, so every build computes the same. The avx512 set on AMD also runs one-row calls on
-    the 256-bit steps (PARROT_NARROW_ONE_ROW), with the same sums: see the test below."""
+    the 256-bit steps (PARROT_NARROW_ROWS), with the same sums: see the test below."""
     from parrot.engine import kernels as module
 
     info = {"vendor_id": "AuthenticAMD", "flags": "avx512f avx512bw avx2 fma f16c"}
     monkeypatch.setattr(module, "_cpuinfo", lambda field: info.get(field, ""))
     assert "-DPARROT_NEAR_FETCH=0" in module._compile_flags("avx512")
     assert "-DPARROT_NEAR_FETCH=0" in module._compile_flags("avx2")
-    assert "-DPARROT_NARROW_ONE_ROW=1" in module._compile_flags("avx512")  # one-row calls on 256-bit steps
+    assert "-DPARROT_NARROW_ROWS=2" in module._compile_flags("avx512")  # 1-2 rows on 256-bit steps
     assert not any("NEAR_FETCH" in flag for flag in module._compile_flags("portable"))
     info["vendor_id"] = "GenuineIntel"
     assert not any("NEAR_FETCH" in flag or "NARROW" in flag for flag in module._compile_flags("avx512"))
@@ -231,25 +231,26 @@ WIDE_SETS = {"avx512-16bit": ("avx512", ()), "avx512-vnni": ("avx512", ("avx512_
 
 
 @pytest.mark.skipif("avx512" not in available_isas(), reason="the CPU has no AVX-512")
-@pytest.mark.parametrize("narrow", [0, 1])
+@pytest.mark.parametrize("narrow", [0, 2])
 @pytest.mark.parametrize("extensions", [None, ()], ids=["cpu", "none"])
-def test_one_row_calls_on_either_avx512_path_equal_the_avx2_steps(monkeypatch, narrow, extensions):
-    # A call over one row of x (a one-token pass) runs kpairs' 512-bit step pairs, or with
-    # PARROT_NARROW_ONE_ROW (kernels.TUNING, AMD) the 256-bit steps with x in their order, not
-    # VNNI's: both builds on every AVX-512 CPU, with its extensions and with none, against the avx2
-    # set, bit for bit; and rows of 2 and 9 (whose last tile has one row of x in VNNI order) too.
+def test_few_row_calls_on_either_avx512_path_equal_the_avx2_steps(monkeypatch, narrow, extensions):
+    # A call over 1 or 2 rows of x (a pass over 1 or 2 tokens) runs kpairs' 512-bit step pairs (2
+    # rows with VNNI: kptile2), or with PARROT_NARROW_ROWS=2 (kernels.TUNING, AMD) the 256-bit
+    # steps with x in their order, not VNNI's: both builds on every AVX-512 CPU, with its
+    # extensions and with none, against the avx2 set, bit for bit; and 3 and 9 rows (past the
+    # narrow calls, whose last tile has one row of x) too.
     import ctypes
 
     from parrot.engine import kernels as module
 
     vendor = module._cpuinfo("vendor_id")
     tuned = tuple(f for f in module.TUNING.get((vendor, "avx512"), ()) if "NARROW" not in f)
-    monkeypatch.setitem(module.TUNING, (vendor, "avx512"), (*tuned, f"-DPARROT_NARROW_ONE_ROW={narrow}"))
+    monkeypatch.setitem(module.TUNING, (vendor, "avx512"), (*tuned, f"-DPARROT_NARROW_ROWS={narrow}"))
     wide_set = module.Kernels("avx512", ctypes.CDLL(module._build("avx512", extensions=extensions)))
     generator = torch.Generator().manual_seed(8)
     for kind in ("q4_k", "q5_k", "q6_k"):
         blocks, _ = _random_blocks(kind, 24, 3 * 256, seed=8)
-        for rows in (1, 2, 9):
+        for rows in (1, 2, 3, 9):
             x = torch.randn(rows, 3 * 256, generator=generator) * 3
             x[:, 100] = 80.0  # an outlier (taken out of the rounding, added in float32)
             for fine in (False, True):

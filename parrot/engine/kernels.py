@@ -63,11 +63,11 @@ EXTENSIONS: dict[str, tuple[tuple[str, str], ...]] = {
 # decoding pass fetches its weights ahead into L2 only (csrc/packed.h, fetch_ahead), where Intel's
 # were 6-10% faster with the fetch into L1 as well. On a Zen 4 the avx512 set's one-token pass was
 # 4-22% faster so, the avx2 set's (as on an EPYC whose hypervisor hides AVX-512) 42-46 -> 31-37 ms.
-# And there the avx512 set's one-row calls (a one-token pass) take the 256-bit steps, not the
-# 512-bit pairs (csrc/packed.h, PARROT_NARROW_ONE_ROW): 3-9% off the Zen 4's one-token pass, where
-# the pairs had taken 12% off the Xeon's.
+# And there the avx512 set's calls over 1 or 2 rows (passes over 1 or 2 tokens) take the 256-bit
+# steps, not the 512-bit pairs (csrc/packed.h, PARROT_NARROW_ROWS): 3-9% off the Zen 4's
+# one-token pass, 2-3% off its two-token one, where the pairs had taken 12% off the Xeon's.
 TUNING: dict[tuple[str, str], tuple[str, ...]] = {
-    ("AuthenticAMD", "avx512"): ("-DPARROT_NEAR_FETCH=0", "-DPARROT_NARROW_ONE_ROW=1"),
+    ("AuthenticAMD", "avx512"): ("-DPARROT_NEAR_FETCH=0", "-DPARROT_NARROW_ROWS=2"),
     ("AuthenticAMD", "avx2"): ("-DPARROT_NEAR_FETCH=0",)}
 # Block formats by their number in the library (their place in quant.FORMATS and csrc/formats.h).
 KIND = {name: i for i, name in enumerate(FORMATS)}

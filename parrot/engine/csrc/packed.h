@@ -260,18 +260,20 @@ Tiles linear_packed(const W& w, const uint8_t* packed, const XU& x, int64_t M, f
   });
 }
 
-// PARROT_NARROW_ONE_ROW (the avx512 set; kernels.py's TUNING sets it on AMD cores): a call over
-// one row of x (a one-token pass) takes the 256-bit steps of kptile, as the avx2 set does, instead
-// of kpairs' 512-bit step pairs, and its x is arranged in their order (not VNNI's). The same
-// integer sums, so the same results. On a Zen 4 (AMD EPYC, 2026-11-29), one process alternating
-// the two builds pass by pass over one loaded Qwen2.5-Coder-1.5B: the one-token pass 0.91, 0.96
-// and 0.96x at 512 tokens of context, 0.97x at 4,096 (medians of 60; logits equal). The K-quant
-// layers alone streamed one row from memory 0-11% faster so (Q4_K 3-11%, Q6_K 0-7%), though in a
-// core's L2 the pairs are the faster (0.54 against 0.59 ns a step); why the narrower steps
-// stream better was not taken apart. On the Intel Xeon the pairs had taken 12% off the one-token
-// pass (kpairs' comment), so other vendors keep them.
-#ifndef PARROT_NARROW_ONE_ROW
-#define PARROT_NARROW_ONE_ROW 0
+// PARROT_NARROW_ROWS (the avx512 set; kernels.py's TUNING sets 2 on AMD cores): a call over at
+// most that many rows of x (a one-token pass, or one verifying a single draft) takes the 256-bit
+// steps of kptile, as the avx2 set does, instead of kpairs' 512-bit step pairs and kptile2, and
+// its x is arranged in their order (not VNNI's). The same integer sums, so the same results. On a
+// Zen 4 (AMD EPYC, 2026-11-29), one process alternating two builds pass by pass over one loaded
+// Qwen2.5-Coder-1.5B (medians of 60 or 40 pairs; logits equal): one-token passes at 512 tokens of
+// context 0.91, 0.96, 0.96 and 0.96x, at 4,096 0.97x; two-token passes 0.97 and 0.98x against
+// kptile2; three tokens (both builds on kptile2) 1.005x. The K-quant layers alone streamed one
+// row from memory 0-11% faster so (Q4_K 3-11%, Q6_K 0-7%), though in a core's L2 the pairs are
+// the faster (0.54 against 0.59 ns a step); why the narrower steps stream better was not taken
+// apart. On the Intel Xeon the pairs had taken 12% off the one-token pass (kpairs' comment), so
+// other vendors keep them.
+#ifndef PARROT_NARROW_ROWS
+#define PARROT_NARROW_ROWS 0
 #endif
 
 // Rows of x quantised per super-block of 256 for the K-quant formats: per row and super-block,
@@ -300,7 +302,7 @@ struct XK {
   enum Forms : int { PLAIN = 1, BY16 = 2, BY32 = 4 };
   int64_t supers;
   bool fine;
-  bool narrow;  // one row (PARROT_NARROW_ONE_ROW): the avx512 tiles take the 256-bit steps, x in their order
+  bool narrow;  // at most PARROT_NARROW_ROWS rows: the avx512 tiles take the 256-bit steps, x in their order
   std::unique_ptr<int8_t[]> q, q16, q32;
   std::vector<int16_t> sums, sums32, f;
   std::vector<float> d;
@@ -324,11 +326,11 @@ struct XK {
   std::vector<int32_t> pairs8, offsets;
 #endif
   XK(const float* x, int64_t M, int64_t K, int threads, int forms, bool fine_ = false, bool split = false)
-      : supers(K / 256), fine(fine_), narrow(PARROT_NARROW_ONE_ROW && M == 1), q(bytes_if(forms & PLAIN, M * K)), q16(bytes_if(forms & BY16, M * K)),
+      : supers(K / 256), fine(fine_), narrow(M <= PARROT_NARROW_ROWS), q(bytes_if(forms & PLAIN, M * K)), q16(bytes_if(forms & BY16, M * K)),
         q32(bytes_if(forms & BY32, M * K)), sums(M * supers * 16), sums32(M * supers * 8),
         f(fine_ ? M * supers * 8 : 0), d(M * supers) {
 #if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
-    if (!fine && M >= 2 && (forms & (BY16 | BY32))) {
+    if (!fine && !narrow && M >= 2 && (forms & (BY16 | BY32))) {
       const int64_t tiles = (M + 7) / 8;
       d8.assign(tiles * supers * 8, 0.0f);
       if (forms & BY32) pairs8.assign(tiles * supers * 4 * 8, 0);
@@ -756,7 +758,7 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
     if (far || row == 0) fetch_ahead(blk, P::BYTES, far);
     S total[MT];
 #if defined(PARROT_AVX512)
-    if (MT > 1 || !x.narrow) {
+    if (!x.narrow) {
       S2 sums[MT];
       kpairs<MT, P, FINE>(blk, xa, xf, sb, sums);
       for (int i = 0; i < MT; ++i) total[i] = fold(sums[i]);
@@ -889,7 +891,10 @@ Tiles linear_kpacked(const W& w, const uint8_t* packed, const XK& x, int64_t M, 
   return group_tiles<KTILE_ROWS>(packed, (w.K / 256) * KLayout<W>::BYTES, M, N, [=, &x](auto mt, const uint8_t* group, int64_t i, int64_t n, int64_t valid, bool far) {
     if (x.fine) kptile<decltype(mt)::value, W, true>(group, x, i, n, valid, y, ldy, far);
 #if defined(PARROT_AVX512) && defined(__AVX512VNNI__)
-    else if constexpr (decltype(mt)::value >= 2) kptile2<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy, far);
+    else if constexpr (decltype(mt)::value >= 2) {
+      if (x.narrow) kptile<decltype(mt)::value, W, false>(group, x, i, n, valid, y, ldy, far);
+      else kptile2<decltype(mt)::value, W>(group, x, i, n, valid, y, ldy, far);
+    }
 #endif
     else kptile<decltype(mt)::value, W, false>(group, x, i, n, valid, y, ldy, far);
   });
