@@ -764,7 +764,7 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
       for (int i = 0; i < MT; ++i) total[i] = fold(sums[i]);
     } else
 #endif
-    {
+    {  // the 256-bit steps: the avx2 set's, and the avx512 set's calls over PARROT_NARROW_ROWS rows
     for (int i = 0; i < MT; ++i) total[i] = szero();
     for (int b = 0; b < P::NB; ++b) {
       const H scale = hsigned(blk + P::SC_AT + 16 * b);  // signed bytes (Q4_K's and Q5_K's 6-bit scales read the same)
