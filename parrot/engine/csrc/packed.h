@@ -765,31 +765,31 @@ inline void kptile(const uint8_t* group, const XK& x, int64_t row, int64_t n, in
     } else
 #endif
     {  // the 256-bit steps: the avx2 set's, and the avx512 set's calls over PARROT_NARROW_ROWS rows
-    for (int i = 0; i < MT; ++i) total[i] = szero();
-    for (int b = 0; b < P::NB; ++b) {
-      const H scale = hsigned(blk + P::SC_AT + 16 * b);  // signed bytes (Q4_K's and Q5_K's 6-bit scales read the same)
-      H scaled[FINE ? MT : 1];  // FINE: each row's scales times its multipliers, made once per block
-      if constexpr (FINE)
-        for (int i = 0; i < MT; ++i) scaled[i] = hmul(scale, hpairs(factor_pair<P>(xf[i] + sb * 8, b)));
-      const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
-      H part[MT];
-      for (int i = 0; i < MT; ++i) part[i] = hzero();
+      for (int i = 0; i < MT; ++i) total[i] = szero();
+      for (int b = 0; b < P::NB; ++b) {
+        const H scale = hsigned(blk + P::SC_AT + 16 * b);  // signed bytes (Q4_K's and Q5_K's 6-bit scales read the same)
+        H scaled[FINE ? MT : 1];  // FINE: each row's scales times its multipliers, made once per block
+        if constexpr (FINE)
+          for (int i = 0; i < MT; ++i) scaled[i] = hmul(scale, hpairs(factor_pair<P>(xf[i] + sb * 8, b)));
+        const uint8_t* v = blk + P::BLK_AT + b * P::BLOCK;
+        H part[MT];
+        for (int i = 0; i < MT; ++i) part[i] = hzero();
 #pragma GCC unroll 16
-      for (int t = 0; t < P::S; ++t) {
-        B wt = bits(load(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
-        if constexpr (P::VB == 5) wt = bor(wt, fifth(load(v + P::LOW + 32 * (t / 8)), t % 8));
-        if constexpr (P::VB == 6) wt = bor(wt, sixth(load(v + P::LOW + 32 * (t / 4)), t % 4));
-        for (int i = 0; i < MT; ++i) {
-          part[i] = hplus(part[i], pdot16(wt, bcast4(xa[i] + sb * 256 + b * 2 * P::G + 4 * t)));
-          hpin(part[i]);
-        }
-        if ((t + 1) % P::FLUSH == 0)
+        for (int t = 0; t < P::S; ++t) {
+          B wt = bits(load(v + 32 * (t % (P::S / 2))), t < P::S / 2 ? 0 : 4, 15);
+          if constexpr (P::VB == 5) wt = bor(wt, fifth(load(v + P::LOW + 32 * (t / 8)), t % 8));
+          if constexpr (P::VB == 6) wt = bor(wt, sixth(load(v + P::LOW + 32 * (t / 4)), t % 4));
           for (int i = 0; i < MT; ++i) {
-            total[i] = sadd(total[i], hdot(part[i], FINE ? scaled[i] : scale));
-            part[i] = hzero();
+            part[i] = hplus(part[i], pdot16(wt, bcast4(xa[i] + sb * 256 + b * 2 * P::G + 4 * t)));
+            hpin(part[i]);
           }
+          if ((t + 1) % P::FLUSH == 0)
+            for (int i = 0; i < MT; ++i) {
+              total[i] = sadd(total[i], hdot(part[i], FINE ? scaled[i] : scale));
+              part[i] = hzero();
+            }
+        }
       }
-    }
     }
     const G dw = ghalf8(blk);
     for (int i = 0; i < MT; ++i) {
